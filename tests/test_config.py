@@ -1,0 +1,105 @@
+"""Config composition and validation: every shipped config composes, mistakes are named."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from trainer.config import ConfigError, HomegymConfig, build_config
+from trainer.main import CONF_DIR
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml"))
+GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml"))
+          for g in ("model", "cluster", "algo", "env")}
+
+
+def compose_config(*overrides: str) -> HomegymConfig:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return build_config(compose(config_name="config", overrides=list(overrides)))
+
+
+def test_default_is_the_cpu_recipe():
+    default = compose_config()
+    explicit = compose_config("+recipe=number_guess_cpu")
+    assert default == explicit
+    assert default.cluster.device == "cpu" and default.rollout.engine == "hf"
+    assert default.model.path == "tiny-qwen3"
+    assert default.num_engines == 2
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes(recipe):
+    config = compose_config(f"+recipe={recipe}")
+    assert config.recipe_name == recipe
+
+
+def test_recipes_shipped():
+    assert {"number_guess_cpu", "qwen_4b", "qwen_0_6b", "qwen_8b"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_every_group_option_composes(group, option):
+    overrides = [f"{group}={option}"]
+    if group == "cluster" and option != "cpu":
+        # A GPU cluster needs a GPU rollout + training layout to be valid.
+        overrides.append("+recipe=qwen_4b")
+        overrides[0] = f"cluster={option}"
+    config = compose_config(*overrides)
+    assert isinstance(config, HomegymConfig)
+
+
+def test_qwen_4b_matches_the_seed_recipe():
+    c = compose_config("+recipe=qwen_4b")
+    assert (c.cluster.device, c.cluster.gpus_per_node, c.cluster.colocate) == ("cuda", 8, True)
+    assert (c.rollout.engine, c.train.backend) == ("sglang", "megatron")
+    assert c.train.tensor_model_parallel_size == 1 and c.train.world_size == 8
+    assert c.num_engines == 8
+    assert (c.train.num_steps, c.rollout.rollout_batch_size, c.rollout.n_samples_per_prompt) == (20, 8, 4)
+    assert (c.rollout.max_response_len, c.train.global_batch_size, c.train.save_interval) == (64, 8, 10)
+    assert c.data.apply_chat_template_kwargs == {"enable_thinking": False}
+    assert c.rollout.extra_config["max_turns"] == 6
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(Exception, match="bogus"):
+        compose_config("rollout.bogus=1")
+
+
+def test_wrong_type_is_named():
+    with pytest.raises(Exception, match="rollout.rollout_batch_size"):
+        compose_config("rollout.rollout_batch_size=abc")
+
+
+@pytest.mark.parametrize("overrides,key,rule", [
+    (["rollout.rollout_batch_size=-1"], "rollout.rollout_batch_size", ">= 1"),
+    (["rollout.temperature=-0.5"], "rollout.temperature", ">= 0"),
+    (["model.dtype=float8"], "model.dtype", "one of"),
+    (["train.backend=fsdp", "train.tensor_model_parallel_size=2"], "train.tensor_model_parallel_size", "megatron"),
+    (["+recipe=qwen_4b", "train.tensor_model_parallel_size=3"], "train.tensor_model_parallel_size", "must divide"),
+    (["+recipe=qwen_4b", "cluster.gpus_per_node=0"], "cluster.gpus_per_node", "no GPUs"),
+    (["+recipe=qwen_4b", "rollout.num_gpus=4"], "rollout.num_gpus", "colocate"),
+    (["+recipe=qwen_4b", "rollout.num_gpus_per_engine=3"], "rollout.num_gpus", "divisible"),
+    (["rollout.engine=sglang"], "rollout.engine", "SGLang needs a GPU"),
+    (["algo.max_staleness=1"], "algo.max_staleness", "colocate"),
+    (["train.global_batch_size=7"], "train.global_batch_size", "must divide"),
+])
+def test_rule_violations_name_key_and_rule(overrides, key, rule):
+    with pytest.raises(ConfigError, match=rule) as info:
+        compose_config(*overrides)
+    assert str(info.value).startswith(key)
+
+
+def test_cfg_job_prints_the_gpu_recipe_on_any_machine():
+    out = subprocess.run([sys.executable, "-m", "trainer.main", "+recipe=qwen_4b", "--cfg", "job"],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "recipe_name: qwen_4b" in out and "engine: sglang" in out and "backend: megatron" in out
+
+
+def test_cli_config_error_exits_cleanly():
+    proc = subprocess.run([sys.executable, "-m", "trainer.main", "rollout.n_samples_per_prompt=0"],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "rollout.n_samples_per_prompt: must be >= 1" in proc.stderr

@@ -1,0 +1,65 @@
+"""Offline models: built from a config with no network, loaded as ordinary HF checkpoints."""
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trainer.config import ConfigError
+from trainer.models import resolve_model_path
+
+
+def test_tiny_model_is_a_normal_hf_checkpoint(tiny_model_path):
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert model.config.model_type == "qwen3"
+    assert 0.5e6 < sum(p.numel() for p in model.parameters()) < 2e6
+    # The game's tags are single tokens; the chat template renders ChatML.
+    for tag in ("<answer>", "</answer>", "<feedback>", "</feedback>"):
+        assert len(tok(tag, add_special_tokens=False)["input_ids"]) == 1
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_token == "<|im_end|>" and model.config.eos_token_id == tok.eos_token_id
+    ids = tok("<answer>17</answer>", add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == "<answer>17</answer>"
+    logits = model(torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), len(tok)) and torch.isfinite(logits).all()
+
+
+def test_tiny_model_is_built_once_and_deterministic(tmp_path):
+    a = resolve_model_path("tiny-qwen3", str(tmp_path / "a"))
+    b = resolve_model_path("tiny-qwen3", str(tmp_path / "b"))
+    assert resolve_model_path("tiny-qwen3", str(tmp_path / "a")) == a
+    sa = AutoModelForCausalLM.from_pretrained(a).state_dict()
+    sb = AutoModelForCausalLM.from_pretrained(b).state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not [p for p in os.listdir(tmp_path / "a") if ".tiny-qwen3." in p]
+
+
+def test_local_directory_is_used_as_is(tiny_model_path):
+    assert resolve_model_path(tiny_model_path) == tiny_model_path
+
+
+def test_hub_name_needs_a_local_path():
+    with pytest.raises(ConfigError, match="never downloads from a model hub"):
+        resolve_model_path("Qwen/Qwen3-4B")
+
+
+def test_directory_without_config_is_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="config.json"):
+        resolve_model_path(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_smollm2_from_the_packaged_gguf():
+    path = resolve_model_path("smollm2-135m")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    reply = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "paris" in reply.lower(), reply
