@@ -1,0 +1,66 @@
+"""Supervised warm-up transcripts from an environment's scripted players.
+
+The scripted player is just another policy for ``rollout.generate.run_episode``: its text is
+tokenized and closed with eos, exactly where the model's own output ids would go. So an SFT
+transcript has the same token layout, chat rendering and loss mask as an RL rollout of the
+same game -- the warm-up teaches precisely the format RL later samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional
+
+from envs.base import Environment, get_env_class
+from rollout.data import DataSource
+from rollout.generate import ChatRenderer, Episode, run_episode
+from rollout.sample import Sample
+
+
+class ScriptedPolicy:
+    """Plays ``env.demo_action()`` each turn: scripted text tokens + eos, log-prob 0."""
+
+    def __init__(self, env: Environment, tokenizer: Any) -> None:
+        self.env = env
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_token_id
+        self.weight_version = None
+
+    async def act(self, token_ids: list[int], max_new_tokens: int
+                  ) -> tuple[list[int], list[float], str]:
+        text = self.env.demo_action()
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos]
+        finish = "stop"
+        if len(ids) > max_new_tokens:
+            ids, finish = ids[:max_new_tokens], "length"
+        return ids, [0.0] * len(ids), finish
+
+
+async def play_demos(config: Any, tokenizer: Any, num_samples: int, *, seed: int = 0,
+                     split: str = "train", renderer: Optional[ChatRenderer] = None
+                     ) -> list[Sample]:
+    """``num_samples`` scripted episodes over ``split``'s prompts (cycling, shuffled)."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1 (got {num_samples})")
+    env_cls = get_env_class(config.env.name)
+    data = DataSource.from_config(config, split, tokenizer, n_samples_per_prompt=1)
+    data.reseed(seed)  # a shuffled order of its own, whatever data.shuffle says
+    renderer = renderer or ChatRenderer(tokenizer, config.data.apply_chat_template_kwargs)
+    samples = []
+    for k in range(num_samples):
+        sample = data.next_group()[0]
+        # Each episode its own env seed, so the player mix and random guesses vary.
+        env = env_cls(max_turns=config.env.max_turns, seed=seed * 1_000_003 + k,
+                      **dict(config.env.kwargs))
+        episode = Episode(sample=sample, env=env)
+        samples.append(await run_episode(
+            episode, ScriptedPolicy(env, tokenizer), renderer,
+            max_turns=config.env.max_turns, max_context_len=config.model.max_context_len,
+            max_response_len=config.rollout.max_response_len))
+    return samples
+
+
+def make_demos(config: Any, tokenizer: Any, num_samples: int, *, seed: int = 0,
+               split: str = "train") -> list[Sample]:
+    """Synchronous ``play_demos`` for the warm-up trainer (no engine involved)."""
+    return asyncio.run(play_demos(config, tokenizer, num_samples, seed=seed, split=split))

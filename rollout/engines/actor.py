@@ -1,0 +1,406 @@
+"""EngineActor: one Ray actor that owns and supervises one inference server process.
+
+The hf (CPU) and sglang (GPU) engines differ only in the command that starts the server;
+supervision (start, readiness polling, crash detection with the log tail, restart,
+shutdown), router registration and the admin calls (SGLang's HTTP routes) are shared.
+``EngineServer`` is a plain class (usable without Ray, e.g. in tests and scripts);
+``EngineActor`` is its Ray actor form.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import requests
+
+from rollout.engines.weights_io import MultiprocessingSerializer
+
+
+class EngineError(RuntimeError):
+    """An engine answered an admin call with an error (message from the server)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago. Callers that cannot bind port 0 themselves must
+    retry on 'address in use' (see EngineServer.start), since another process may race."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    # Linux: the server gets SIGTERM when the actor process dies (ray.kill, crash), so no
+    # orphaned servers keep ports and memory.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    os.setsid()
+
+
+@dataclass
+class LaunchSpec:
+    """What differs between engine kinds: the command line and how the port is known."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    api_key: Optional[str] = None
+    max_context_len: Optional[int] = None
+    dtype: str = "float32"
+    torch_threads: int = 1
+    ready_timeout_s: float = 180.0
+    env: dict = field(default_factory=dict)
+    # True: the server binds port 0 and writes the port to a file (no race at all).
+    uses_port_file: bool = False
+
+    def command(self, port: int, port_file: Optional[str]) -> list[str]:
+        raise NotImplementedError
+
+    def extra_ready_check(self) -> Optional[str]:
+        """Route that must also answer 200 before the engine counts as ready."""
+        return None
+
+
+@dataclass
+class HFLaunch(LaunchSpec):
+    attn_implementation: str = "eager"
+    max_running_requests: int = 256
+    weight_version: str = "default"
+    uses_port_file: bool = True
+
+    def command(self, port: int, port_file: Optional[str]) -> list[str]:
+        cmd = [sys.executable, "-m", "rollout.engines.hf.server", "--model-path", self.model_path,
+               "--host", self.host, "--port", str(port), "--dtype", self.dtype,
+               "--torch-threads", str(self.torch_threads), "--attn-implementation",
+               self.attn_implementation, "--max-running-requests", str(self.max_running_requests),
+               "--weight-version", self.weight_version]
+        if port_file:
+            cmd += ["--port-file", port_file]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        if self.max_context_len:
+            cmd += ["--max-context-len", str(self.max_context_len)]
+        return cmd
+
+
+@dataclass
+class SGLangLaunch(LaunchSpec):
+    """``python -m sglang.launch_server`` for one engine (argument names from SGLang's
+    ServerArgs). The Ray actor is given the engine's GPUs, so CUDA_VISIBLE_DEVICES already
+    lists only them and base_gpu_id is 0 unless several engines share one actor's view."""
+
+    tp_size: int = 1
+    mem_fraction_static: float = 0.8
+    base_gpu_id: int = 0
+    enable_memory_saver: bool = False  # colocated: release/resume GPU memory around training
+    random_seed: Optional[int] = None
+    weight_version: str = "default"
+    nccl_port: Optional[int] = None
+    skip_warmup: bool = True
+    log_level: str = "warning"
+    extra_args: Sequence[str] = ()
+    ready_timeout_s: float = 900.0
+
+    def command(self, port: int, port_file: Optional[str]) -> list[str]:
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+               "--host", self.host, "--port", str(port), "--tp-size", str(self.tp_size),
+               "--mem-fraction-static", str(self.mem_fraction_static),
+               "--base-gpu-id", str(self.base_gpu_id), "--dtype", _sglang_dtype(self.dtype),
+               "--trust-remote-code", "--log-level", self.log_level,
+               "--weight-version", self.weight_version]
+        if self.max_context_len:
+            cmd += ["--context-length", str(self.max_context_len)]
+        if self.enable_memory_saver:
+            cmd += ["--enable-memory-saver"]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        if self.random_seed is not None:
+            cmd += ["--random-seed", str(self.random_seed)]
+        if self.nccl_port is not None:
+            cmd += ["--nccl-port", str(self.nccl_port)]
+        if self.skip_warmup:
+            cmd += ["--skip-server-warmup"]
+        return cmd + list(self.extra_args)
+
+    def extra_ready_check(self) -> Optional[str]:
+        # SGLang's /health can answer before the scheduler serves; a 1-token generate can't.
+        return "/health_generate"
+
+
+def _sglang_dtype(dtype: str) -> str:
+    return {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(dtype, "auto")
+
+
+class EngineServer:
+    """Supervises one server process and forwards SGLang admin calls to it."""
+
+    def __init__(self, spec: LaunchSpec, name: str = "engine", log_dir: Optional[str] = None):
+        self.spec = spec
+        self.name = name
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="hg-engine-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.proc: Optional[subprocess.Popen] = None
+        self._url: Optional[str] = None
+        self.log_path = os.path.join(self.log_dir, f"{name}.log")
+        self.session = requests.Session()
+        self.headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+
+    # ---- supervision ----
+    def start(self, attempts: int = 3) -> str:
+        if self.proc is not None and self.proc.poll() is None:
+            return self._url
+        last: Optional[Exception] = None
+        for _ in range(attempts):
+            try:
+                return self._start_once()
+            except _PortTaken as exc:  # someone took the port between pick and bind: retry
+                last = exc
+        raise RuntimeError(f"{self.name}: could not bind a port after {attempts} tries: {last}")
+
+    def _start_once(self) -> str:
+        spec = self.spec
+        port_file = None
+        if spec.uses_port_file:
+            port, port_file = 0, os.path.join(self.log_dir, f"{self.name}.port")
+            if os.path.exists(port_file):
+                os.remove(port_file)
+        else:
+            port = free_port(spec.host)
+        env = dict(os.environ, OMP_NUM_THREADS=str(spec.torch_threads),
+                   TOKENIZERS_PARALLELISM="false", **{k: str(v) for k, v in spec.env.items()})
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(spec.command(port, port_file), stdout=log,
+                                     stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        log.close()
+        deadline = time.monotonic() + spec.ready_timeout_s
+        # Readiness by polling: first the port (file), then /health, then the extra check.
+        while spec.uses_port_file and not os.path.exists(port_file):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                self._timeout()
+            time.sleep(0.05)
+        if port_file:
+            with open(port_file) as f:
+                port = int(f.read())
+        host = spec.host if spec.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        self._url = f"http://{host}:{port}"
+        checks = ["/health"] + ([spec.extra_ready_check()] if spec.extra_ready_check() else [])
+        for route in checks:
+            while True:
+                self._check_alive()
+                try:
+                    r = self.session.get(self._url + route, headers=self.headers, timeout=5)
+                    if r.status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                if time.monotonic() > deadline:
+                    self._timeout()
+                time.sleep(0.1)
+        return self._url
+
+    def _log_tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, 2)
+                f.seek(max(0, f.tell() - n))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def _check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            tail = self._log_tail()
+            code = self.proc.returncode
+            self.proc = None
+            if "address already in use" in tail.lower():
+                raise _PortTaken(tail[-300:])
+            raise RuntimeError(f"{self.name}: server exited with code {code} while starting; "
+                               f"log {self.log_path}:\n{tail}")
+
+    def _timeout(self) -> None:
+        self.shutdown()
+        raise TimeoutError(f"{self.name}: not ready after {self.spec.ready_timeout_s:.0f}s; "
+                           f"log {self.log_path}:\n{self._log_tail()}")
+
+    @property
+    def url(self) -> Optional[str]:
+        return self._url
+
+    def get_url(self) -> Optional[str]:  # Ray actors cannot read properties remotely
+        return self._url
+
+    def pid(self) -> Optional[int]:
+        return self.proc.pid if self.proc is not None else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def health(self) -> bool:
+        if not self.alive():
+            return False
+        try:
+            return self.session.get(self._url + "/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)  # the server and anything it spawned (TP ranks)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def restart(self) -> str:
+        self.shutdown()
+        return self.start()
+
+    def register(self, router_url: str) -> None:
+        """Add this engine to an sglang-router (POST /workers)."""
+        r = self.session.post(f"{router_url}/workers", json={"url": self._url}, timeout=30)
+        if r.status_code >= 300:
+            raise EngineError(r.status_code, r.text)
+
+    # ---- HTTP forwarding ----
+    def _call(self, route: str, payload: Optional[dict] = None, method: str = "POST",
+              timeout: float = 600.0) -> Any:
+        if self._url is None:
+            raise RuntimeError(f"{self.name}: not started")
+        r = self.session.request(method, self._url + route, json=payload, headers=self.headers,
+                                 timeout=timeout)
+        try:
+            data = r.json()
+        except ValueError:
+            data = r.text
+        if r.status_code >= 300:
+            msg = data.get("message") or data.get("error") if isinstance(data, dict) else data
+            raise EngineError(r.status_code, f"{route}: {msg}")
+        return data
+
+    def generate(self, payload: dict) -> dict:
+        return self._call("/generate", payload)
+
+    def update_weights_from_tensor(self, named_tensors, version=None, checksum=None,
+                                   flush_cache: bool = True) -> dict:
+        """``named_tensors``: a list of (name, tensor) or an already-serialized payload
+        (``MultiprocessingSerializer.serialize(named_tensors, output_str=True)``)."""
+        payload = named_tensors if isinstance(named_tensors, str) else \
+            MultiprocessingSerializer.serialize(list(named_tensors), output_str=True)
+        tp = getattr(self.spec, "tp_size", 1)
+        body = {"serialized_named_tensors": [payload] * tp, "load_format": None,
+                "flush_cache": flush_cache}
+        if version is not None:
+            body["weight_version"] = str(version)
+        if checksum is not None:
+            body["checksum"] = checksum
+        return self._call("/update_weights_from_tensor", body)
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
+                                  group_name="weight_update_group", backend="gloo") -> dict:
+        return self._call("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port,
+            "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
+            "backend": backend})
+
+    def destroy_weights_update_group(self, group_name="weight_update_group") -> dict:
+        return self._call("/destroy_weights_update_group", {"group_name": group_name})
+
+    def update_weights_from_distributed(self, names, dtypes, shapes,
+                                        group_name="weight_update_group", version=None,
+                                        checksum=None, flush_cache: bool = True) -> dict:
+        body = {"names": list(names), "dtypes": [str(d).replace("torch.", "") for d in dtypes],
+                "shapes": [list(s) for s in shapes], "group_name": group_name,
+                "flush_cache": flush_cache}
+        if version is not None:
+            body["weight_version"] = str(version)
+        if checksum is not None:
+            body["checksum"] = checksum
+        return self._call("/update_weights_from_distributed", body)
+
+    def update_weights_from_disk(self, path, version=None, checksum=None) -> dict:
+        body = {"model_path": path}
+        if version is not None:
+            body["weight_version"] = str(version)
+        if checksum is not None:
+            body["checksum"] = checksum
+        return self._call("/update_weights_from_disk", body)
+
+    def release_memory(self) -> dict:
+        return self._call("/release_memory_occupation", {})
+
+    def resume_memory(self, tags: Optional[list] = None) -> dict:
+        return self._call("/resume_memory_occupation", {"tags": tags})
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        return self._call("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict:
+        return self._call("/continue_generation", {})
+
+    def abort_all(self) -> dict:
+        return self._call("/abort_request", {"abort_all": True})
+
+    def flush_cache(self) -> Any:
+        return self._call("/flush_cache", None, method="GET")
+
+    def weight_version(self) -> str:
+        return self._call("/get_weight_version", None, method="GET")["weight_version"]
+
+    def server_info(self) -> dict:
+        return self._call("/get_server_info", None, method="GET")
+
+    def __del__(self):
+        try:
+            self.shutdown(timeout_s=2)
+        except Exception:
+            pass
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+@functools.lru_cache(maxsize=None)
+def remote_actor_class():
+    """The Ray actor class (created lazily so importing this module needs no Ray)."""
+    import ray
+
+    return ray.remote(EngineServer)
+
+
+def spec_from_config(config, model_path: str, *, engine_kind: Optional[str] = None,
+                     base_gpu_id: int = 0) -> LaunchSpec:
+    """Build the launch spec for one engine from a HomegymConfig."""
+    kind = engine_kind or config.rollout.engine
+    m, c, r = config.model, config.cluster, config.rollout
+    common = dict(model_path=model_path, host=c.host, max_context_len=m.max_context_len,
+                  dtype=m.dtype, torch_threads=c.torch_threads)
+    if kind == "hf":
+        return HFLaunch(attn_implementation=m.attn_implementation, **common)
+    if kind == "sglang":
+        return SGLangLaunch(tp_size=r.num_gpus_per_engine, mem_fraction_static=r.mem_fraction_static,
+                            base_gpu_id=base_gpu_id, enable_memory_saver=c.colocate,
+                            random_seed=config.train.seed, **common)
+    raise ValueError(f"rollout.engine must be hf or sglang (got {kind!r})")

@@ -1,0 +1,224 @@
+"""EngineGroup: N engine actors behind one sglang-router, managed as one thing.
+
+The rollout manager only needs ``router_url``; the trainer uses the fan-out methods
+(weight sync, pause/abort/continue, release/resume memory), each of which returns once
+every engine has answered (results in engine order) and raises if any engine failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from typing import Any, Optional, Sequence
+
+from rollout.engines.actor import LaunchSpec, remote_actor_class, spec_from_config
+from rollout.engines.router import Router
+
+log = logging.getLogger("homegym.engines")
+
+
+class EngineGroup:
+    def __init__(self, config, placement: Optional[Sequence[Any]] = None, *,
+                 num_engines: Optional[int] = None, model_path: Optional[str] = None,
+                 log_dir: Optional[str] = None, start: bool = True):
+        """``placement``: optional per-engine Ray scheduling — a list (one entry per engine)
+        of Ray scheduling strategies or ``(placement_group, bundle_index)`` pairs, or a
+        ``trainer.placement.Placement`` (then its engine_strategy / engine_resources /
+        engine_gpu_ids are used); default none (Ray places the actors)."""
+        from trainer.models import resolve_model_path
+
+        self.config = config
+        self.num_engines = num_engines if num_engines is not None else config.num_engines
+        if self.num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1 (got {self.num_engines})")
+        self.resources = None  # (num_cpus, num_gpus) per actor when a Placement says so
+        self.gpu_ids: Optional[list] = None  # per engine: physical GPU ids for its server
+        if placement is not None and hasattr(placement, "engine_strategy"):
+            res = placement.engine_resources()
+            self.resources = (res.num_cpus, res.num_gpus)
+            if config.cluster.device == "cuda":
+                self.gpu_ids = [placement.engine_gpu_ids(i) for i in range(self.num_engines)]
+            placement = [placement.engine_strategy(i) for i in range(self.num_engines)]
+        if placement is not None and len(placement) < self.num_engines:
+            raise ValueError(f"placement has {len(placement)} entries for {self.num_engines} engines")
+        self.placement = list(placement) if placement is not None else None
+        self.model_path = model_path or resolve_model_path(config.model.path, config.model.cache_dir)
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="hg-engines-")
+        self.engines: list[Any] = []  # Ray actor handles, engine order
+        self.urls: list[str] = []
+        self.router: Optional[Router] = None
+        self._next_id = 0
+        if start:
+            self.start()
+
+    # ---- lifecycle ----
+    def _options(self, index: int) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        rollout = self.config.rollout
+        gpu = self.config.cluster.device == "cuda"
+        opts: dict = {"num_cpus": 1 if not gpu else 0.1,
+                      "num_gpus": rollout.num_gpus_per_engine if gpu else 0,
+                      # A sync actor runs its methods on one long-lived thread, which matters:
+                      # the server dies with the thread that launched it (PDEATHSIG).
+                      "max_concurrency": 1,
+                      "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(self.config.cluster.torch_threads),
+                                                   "TOKENIZERS_PARALLELISM": "false"}}}
+        if self.resources is not None:
+            opts["num_cpus"], opts["num_gpus"] = self.resources
+        if self.placement is not None and index < len(self.placement) and \
+                self.placement[index] is not None:
+            entry = self.placement[index]
+            if isinstance(entry, tuple):
+                pg, bundle = entry
+                entry = PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=bundle,
+                    placement_group_capture_child_tasks=True)
+            opts["scheduling_strategy"] = entry
+        return opts
+
+    def _spawn(self, index: int, spec: Optional[LaunchSpec] = None):
+        if spec is None:
+            spec = spec_from_config(self.config, self.model_path)
+            if self.gpu_ids is not None and index < len(self.gpu_ids):
+                # The actor holds a fraction of one GPU; its server gets all of its GPUs.
+                spec.env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_ids[index]))
+        name = f"engine{self._next_id}"
+        self._next_id += 1
+        actor = remote_actor_class().options(**self._options(index)).remote(spec, name, self.log_dir)
+        return actor, actor.start.remote()
+
+    def start(self) -> str:
+        import ray
+
+        pending = [self._spawn(i) for i in range(self.num_engines)]
+        self.engines = [a for a, _ in pending]
+        self.urls = ray.get([ref for _, ref in pending])  # engines start in parallel
+        self.router = Router(host=self.config.cluster.host, port=self.config.rollout.router_port,
+                             tokenizer_path=self.model_path,
+                             log_dir=os.path.join(self.log_dir, "router"))
+        os.makedirs(self.router.log_dir, exist_ok=True)
+        self.router.start(self.urls)
+        log.info("engines %s behind router %s", self.urls, self.router.url)
+        return self.router.url
+
+    @property
+    def router_url(self) -> str:
+        assert self.router is not None, "EngineGroup not started"
+        return self.router.url
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self.router is not None:
+            self.router.shutdown()
+        try:
+            ray.get([e.shutdown.remote() for e in self.engines], timeout=30)
+        except Exception:  # engines already gone: killing the actors is enough
+            pass
+        for e in self.engines:
+            ray.kill(e)
+        self.engines, self.urls = [], []
+
+    def add_engine(self, placement: Any = None) -> int:
+        """Start one more engine and register it with the router; returns its index."""
+        import ray
+
+        if placement is not None:
+            self.placement = (self.placement or [None] * len(self.engines)) + [placement]
+        actor, ref = self._spawn(len(self.engines))
+        url = ray.get(ref)
+        self.router.add_worker(url)
+        self.engines.append(actor)
+        self.urls.append(url)
+        return len(self.engines) - 1
+
+    def remove_engine(self, index: int) -> None:
+        """Take an engine out of the router first (no new traffic), then stop it."""
+        import ray
+
+        if not 0 <= index < len(self.engines):
+            raise ValueError(f"no engine {index} (have {len(self.engines)})")
+        url, actor = self.urls.pop(index), self.engines.pop(index)
+        if self.placement is not None and index < len(self.placement):
+            self.placement.pop(index)
+        try:
+            self.router.remove_worker(url)
+        except ValueError:
+            pass  # the router had already dropped it
+        try:
+            ray.get(actor.shutdown.remote(), timeout=30)
+        finally:
+            ray.kill(actor)
+
+    def restart_engine(self, index: int) -> str:
+        """Restart a (crashed or stuck) engine's server; the router gets the new URL."""
+        import ray
+
+        old = self.urls[index]
+        try:
+            self.router.remove_worker(old)
+        except ValueError:
+            pass
+        url = ray.get(self.engines[index].restart.remote())
+        self.router.add_worker(url)
+        self.urls[index] = url
+        return url
+
+    # ---- fan-out ----
+    def _all(self, method: str, *args, **kwargs) -> list:
+        import ray
+
+        return ray.get([getattr(e, method).remote(*args, **kwargs) for e in self.engines])
+
+    def health(self) -> list[bool]:
+        return self._all("health")
+
+    def update_weights_from_tensor(self, named_tensors, version=None, checksum=None) -> list:
+        from rollout.engines.weights_io import MultiprocessingSerializer
+
+        # Serialize once here (shared memory handles), not once per engine.
+        payload = named_tensors if isinstance(named_tensors, str) else \
+            MultiprocessingSerializer.serialize(list(named_tensors), output_str=True)
+        return self._all("update_weights_from_tensor", payload, version, checksum)
+
+    def init_weights_update_group(self, master_address, master_port, world_size=None,
+                                  group_name="weight_update_group", backend="gloo") -> list:
+        """Engines join as ranks 1..N (the trainer's rank 0 broadcasts). Returns the Ray
+        refs: the trainer must join the group (rank 0) before these complete."""
+        world_size = world_size or 1 + len(self.engines)
+        return [e.init_weights_update_group.remote(master_address, master_port, 1 + i, world_size,
+                                                   group_name, backend)
+                for i, e in enumerate(self.engines)]
+
+    def update_weights_from_distributed(self, names, dtypes, shapes,
+                                        group_name="weight_update_group", version=None,
+                                        checksum=None) -> list:
+        """Returns Ray refs; the trainer broadcasts the tensors, then ray.get()s them."""
+        return [e.update_weights_from_distributed.remote(names, dtypes, shapes, group_name, version,
+                                                         checksum) for e in self.engines]
+
+    def update_weights_from_disk(self, path, version=None, checksum=None) -> list:
+        return self._all("update_weights_from_disk", path, version, checksum)
+
+    def release_memory(self) -> list:
+        return self._all("release_memory")
+
+    def resume_memory(self, tags=None) -> list:
+        return self._all("resume_memory", tags)
+
+    def pause_generation(self, mode: str = "abort") -> list:
+        return self._all("pause_generation", mode)
+
+    def continue_generation(self) -> list:
+        return self._all("continue_generation")
+
+    def abort_all(self) -> list:
+        return self._all("abort_all")
+
+    def flush_cache(self) -> list:
+        return self._all("flush_cache")
+
+    def weight_versions(self) -> list[str]:
+        return self._all("weight_version")

@@ -1,0 +1,551 @@
+"""Continuous batching over a KV cache for small transformers models on CPU.
+
+One scheduler thread owns the model. Between decode steps it
+1. runs queued control commands (weight updates, flush, release/resume) — so a weight
+   update never lands in the middle of a forward pass;
+2. admits waiting requests: one batched, left-padded prefill for all of them, whose
+   DynamicCache is then merged into the running batch's cache (both left-padded to the
+   same length and concatenated on the batch dimension);
+3. decodes every active row together, one token per step;
+4. drops finished rows (index_select on the cache) and trims cache columns that are
+   padding in every remaining row, so a long finished prompt stops costing attention.
+
+Positions are explicit per row (count of real tokens), so left padding and merging never
+shift RoPE; pad columns are masked out, so a row's log-probs equal a fresh forward pass
+of that row alone (up to float rounding).
+
+Why not transformers' own ContinuousBatchingManager: it targets paged attention kernels
+and returns tokens without per-token log-probs of the sampled tokens; a plain
+DynamicCache batch is simple, exact, and fast enough for ~1M-135M-parameter CPU models.
+
+Log-probs (matching SGLang's default, see sglang/srt/layers/sampler.py): the log-prob of
+the sampled token under the temperature-scaled distribution, log_softmax(logits / T),
+before top-k/top-p filtering; greedy (T == 0) uses the unscaled logits. SGLang returns the
+unscaled ones only when SGLANG_RETURN_ORIGINAL_LOGPROB is set; this engine honours the
+same environment variable.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from rollout.engines.hf.fast_kernels import GrowingLayer
+
+RETURN_ORIGINAL_LOGPROB = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in (
+    "1", "true", "yes")
+
+
+@dataclass
+class Request:
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: frozenset = frozenset()
+    stop: tuple = ()  # stop strings (need detokenization; only checked when set)
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+    return_logprob: bool = False
+    # Filled by the scheduler.
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: Optional[dict] = None
+    aborted: bool = False
+    generator: Optional[torch.Generator] = None
+    weight_version: str = ""
+    on_done: Optional[Callable[["Request"], None]] = None
+    matched_stop: Optional[str] = None  # the stop string that ended generation
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    group_rid: Optional[str] = None  # the client's rid when n > 1 made several requests
+
+
+class PrefixCache:
+    """Finished sequences' KV, LRU by bytes, looked up by longest prefix of a new prompt.
+
+    Multi-turn RL sends prompt_{t+1} = prompt_t + output_t + environment tokens; without
+    this, every turn re-prefills the whole conversation. An entry is removed when used
+    (the continued sequence is stored again when it finishes). Must be cleared whenever
+    weights change: cached KV belongs to the weights that computed it.
+    """
+
+    def __init__(self, max_bytes: int):
+        from collections import OrderedDict
+
+        self.max_bytes = max_bytes
+        self.entries: "OrderedDict[tuple, list]" = OrderedDict()
+        self.sizes: dict[tuple, int] = {}
+        self.length_counts: dict[int, int] = {}
+        self.bytes = 0
+        self.hits = 0
+        self.hit_tokens = 0
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.sizes.clear()
+        self.length_counts.clear()
+        self.bytes = 0
+
+    def _drop(self, key: tuple) -> list:
+        kv = self.entries.pop(key)
+        self.bytes -= self.sizes.pop(key)
+        n = self.length_counts[len(key)] - 1
+        if n:
+            self.length_counts[len(key)] = n
+        else:
+            del self.length_counts[len(key)]
+        return kv
+
+    def put(self, tokens: tuple, kv: list) -> None:
+        size = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
+        if size > self.max_bytes:
+            return
+        if tokens in self.entries:
+            self._drop(tokens)
+        self.entries[tokens] = kv
+        self.sizes[tokens] = size
+        self.length_counts[len(tokens)] = self.length_counts.get(len(tokens), 0) + 1
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+
+    def pop_longest(self, ids: list[int]):
+        """(length, kv) of the longest cached proper prefix of ``ids`` (at least one token
+        must remain to compute: its logits give the first new token), or None."""
+        if not self.entries:
+            return None
+        n = len(ids)
+        for length in sorted(self.length_counts, reverse=True):
+            if length >= n:
+                continue
+            key = tuple(ids[:length])
+            if key in self.entries:
+                self.hits += 1
+                self.hit_tokens += length
+                return length, self._drop(key)
+        return None
+
+
+class Batcher:
+    def __init__(self, model, tokenizer, eos_ids: set[int], max_context_len: int,
+                 max_batch_size: int = 256, weight_version: str = "default",
+                 prefix_cache_bytes: int = 256 << 20):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = set(eos_ids)
+        self.max_context_len = max_context_len
+        self.max_batch_size = max_batch_size
+        self.prefill_token_budget = 8192  # padded tokens per prefill forward
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.stats = {"prefills": 0, "prefill_s": 0.0, "decode_s": 0.0}
+        self.coalesce_quiet_s = 0.002
+        self.coalesce_max_s = 0.02
+        self.weight_version = weight_version
+        self.waiting: "queue.SimpleQueue[Request]" = queue.SimpleQueue()
+        self.controls: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self.wakeup = threading.Event()
+        self.paused = False
+        self.released = False
+        self._stop = False
+        self._pending: list[Request] = []  # admitted from `waiting` but not yet prefilled
+        # Running batch state.
+        self.rows: list[Request] = []
+        self.cache = None
+        self.mask: Optional[torch.Tensor] = None  # [B, T] 1 = real token
+        self.pos: Optional[torch.Tensor] = None  # [B] position of the next input token
+        self.last: Optional[torch.Tensor] = None  # [B] last sampled token (not yet fed)
+        self.abort_q: "queue.SimpleQueue[Optional[str]]" = queue.SimpleQueue()  # None = all
+        self.default_gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+        self.steps = 0
+        # transformers >= 5.2x renamed past_key_values to cache (the old name warns).
+        import inspect
+        self._cache_kw = ("cache" if "cache" in inspect.signature(model.forward).parameters
+                          else "past_key_values")
+        self.thread = threading.Thread(target=self._loop, name="hf-batcher", daemon=True)
+
+    # ---- API used by the HTTP layer (any thread) ----
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self.wakeup.set()
+
+    def submit(self, req: Request) -> None:
+        self.waiting.put(req)
+        self.wakeup.set()
+
+    def call(self, fn: Callable[[], Any], done: Callable[[Any, Optional[BaseException]], None]):
+        """Run ``fn`` on the scheduler thread between steps; ``done(result, error)`` after."""
+        self.controls.put((fn, done))
+        self.wakeup.set()
+
+    def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+        # A queue, not a shared set: the HTTP thread and the scheduler never race on it.
+        self.abort_q.put(None if abort_all else rid)
+        self.wakeup.set()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.rows) + len(self._pending) + self.waiting.qsize()
+
+    # ---- scheduler thread ----
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop:
+            self._run_controls()
+            got = self._drain_waiting()
+            if got and not self.rows and not self.paused:
+                # Idle engine and a burst arriving (e.g. a rollout step's first wave): gather
+                # it for a few ms so it becomes one prefill instead of many small ones that
+                # each re-merge the cache. Bounded; never waits while rows are decoding.
+                deadline = time.monotonic() + self.coalesce_max_s
+                while time.monotonic() < deadline:
+                    time.sleep(self.coalesce_quiet_s)
+                    if not self._drain_waiting():
+                        break
+            self._apply_aborts()
+            busy = bool(self.rows) or bool(self._pending)
+            if not busy or self.paused or self.released:
+                self.wakeup.wait(0.5)
+                self.wakeup.clear()
+                continue
+            try:
+                if self._pending:
+                    room = self.max_batch_size - len(self.rows)
+                    if room > 0:
+                        t0 = time.perf_counter()
+                        admit, self._pending = self._pending[:room], self._pending[room:]
+                        for chunk in self._prefill_chunks(admit):
+                            self._prefill(chunk)
+                            self.stats["prefills"] += 1
+                        self.stats["prefill_s"] += time.perf_counter() - t0
+                if self.rows:
+                    t0 = time.perf_counter()
+                    self._decode()
+                    self.stats["decode_s"] += time.perf_counter() - t0
+            except Exception as exc:  # never leave clients hanging on an internal error
+                self._fail_all(exc)
+
+    def _drain_waiting(self) -> int:
+        n = 0
+        while True:
+            try:
+                self._pending.append(self.waiting.get_nowait())
+                n += 1
+            except queue.Empty:
+                return n
+
+    def _run_controls(self) -> None:
+        while True:
+            try:
+                fn, done = self.controls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result, err = fn(), None
+            except BaseException as exc:  # reported to the caller, the loop goes on
+                result, err = None, exc
+            done(result, err)
+
+    def _apply_aborts(self) -> None:
+        rids, everything = set(), False
+        while True:
+            try:
+                rid = self.abort_q.get_nowait()
+            except queue.Empty:
+                break
+            if rid is None:
+                everything = True
+            else:
+                rids.add(rid)
+        if not (everything or rids):
+            return
+        keep_pending = []
+        for r in self._pending:
+            if everything or r.rid in rids or r.group_rid in rids:
+                self._finish(r, {"type": "abort", "message": "Abort before prefill"})
+            else:
+                keep_pending.append(r)
+        self._pending = keep_pending
+        drop = [i for i, r in enumerate(self.rows) if everything or r.rid in rids or r.group_rid in rids]
+        for i in drop:
+            self._finish(self.rows[i], {"type": "abort", "message": "Abort in waiting queue"
+                                        if not self.rows[i].output_ids else "Abort request"})
+        if drop:
+            self._keep_rows([i for i in range(len(self.rows)) if i not in set(drop)])
+
+    def _fail_all(self, exc: BaseException) -> None:
+        msg = f"internal error: {type(exc).__name__}: {exc}"
+        for r in self.rows + self._pending:
+            self._finish(r, {"type": "abort", "message": msg})
+        self.rows, self._pending = [], []
+        self.cache = self.mask = self.pos = self.last = None
+
+    def reset_batch(self, reason: str) -> None:
+        """Abort everything running (used before releasing memory)."""
+        for r in self.rows + self._pending:
+            self._finish(r, {"type": "abort", "message": reason})
+        self.rows, self._pending = [], []
+        self.cache = self.mask = self.pos = self.last = None
+
+    def _finish(self, r: Request, reason: dict) -> None:
+        r.finish_reason = reason
+        r.weight_version = self.weight_version
+        if r.on_done is not None:
+            r.on_done(r)
+
+    # ---- model steps ----
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids, use_cache=True, logits_to_keep=1,
+                         **{self._cache_kw: cache})
+        new_cache = out.cache if self._cache_kw == "cache" else out.past_key_values
+        return out.logits[:, -1, :].float(), new_cache
+
+    def _prefill_chunks(self, reqs: list[Request]) -> list[list[Request]]:
+        """Group requests of similar length: a left-padded prefill computes every pad
+        position (MLP) and pad x pad attention, so mixed lengths in one prefill waste up to
+        half the work. Sorted greedy chunks keep padding under ~20% (and bound the size of
+        one prefill's attention tensors)."""
+        reqs = sorted(reqs, key=lambda r: len(r.input_ids))
+        chunks, cur, cur_tokens = [], [], 0
+        for r in reqs:
+            n = len(r.input_ids)  # the longest so far: sorted ascending
+            if cur and (n * (len(cur) + 1) > 1.2 * (cur_tokens + n) + 16
+                        or n * (len(cur) + 1) > self.prefill_token_budget):
+                chunks.append(cur)
+                cur, cur_tokens = [], 0
+            cur.append(r)
+            cur_tokens += n
+        if cur:
+            chunks.append(cur)
+        return chunks
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        """One forward over the chunk's uncached prompt tokens. A row whose prompt starts
+        with a finished sequence in the prefix cache (the previous turn of the same
+        episode) brings that KV along and only its new suffix is computed. Columns:
+        [past, left-padded to P | suffix, left-padded to S]; pad holes are masked out and
+        positions are explicit, so the result equals a fresh full prefill."""
+        from transformers import DynamicCache
+
+        pasts = [self.prefix_cache.pop_longest(r.input_ids) for r in reqs]
+        plen = [p[0] if p else 0 for p in pasts]
+        slen = [len(r.input_ids) - n for r, n in zip(reqs, plen)]
+        P, S, b = max(plen), max(slen), len(reqs)
+        ids = torch.zeros(b, S, dtype=torch.long)
+        mask = torch.zeros(b, P + S, dtype=torch.long)
+        pos = torch.zeros(b, S, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            p, n = plen[i], slen[i]
+            r.cached_tokens = p
+            ids[i, S - n:] = torch.tensor(r.input_ids[p:], dtype=torch.long)
+            mask[i, P - p:P] = 1
+            mask[i, P + S - n:] = 1
+            pos[i, S - n:] = torch.arange(p, p + n)
+        cache = DynamicCache()
+        if P > 0:
+            layers = []
+            ref = next(p for p in pasts if p)[1]
+            for li, (k0, v0) in enumerate(ref):
+                k = k0.new_zeros(b, k0.shape[0], P, k0.shape[2])
+                v = v0.new_zeros(b, v0.shape[0], P, v0.shape[2])
+                for i, past in enumerate(pasts):
+                    if past:
+                        k[i, :, P - plen[i]:] = past[1][li][0]
+                        v[i, :, P - plen[i]:] = past[1][li][1]
+                layers.append(GrowingLayer(k, v, spare=S))
+            cache.layers = layers
+        logits, cache = self._forward(ids, mask, pos, cache)
+        for r in reqs:
+            if r.seed is not None:
+                r.generator = torch.Generator().manual_seed(int(r.seed))
+        tokens, logps = self._sample(logits, reqs)
+        new_pos = torch.tensor([len(r.input_ids) for r in reqs], dtype=torch.long)
+        survivors = self._append_tokens(reqs, tokens, logps)
+        if not survivors:
+            return
+        idx = torch.tensor(survivors, dtype=torch.long)
+        reqs = [reqs[i] for i in survivors]
+        cache = self._select_cache(cache, idx) if len(survivors) < b else cache
+        mask, new_pos, tokens = mask[idx], new_pos[idx], tokens[idx]
+        self._merge(reqs, cache, mask, new_pos, tokens)
+
+    def _decode(self) -> None:
+        self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=torch.long)], 1)
+        logits, self.cache = self._forward(self.last[:, None], self.mask, self.pos[:, None],
+                                           self.cache)
+        self.pos = self.pos + 1
+        tokens, logps = self._sample(logits, self.rows)
+        self.last = tokens
+        survivors = self._append_tokens(self.rows, tokens, logps)
+        self.steps += 1
+        if len(survivors) < len(self.rows):
+            if self.prefix_cache.max_bytes > 0:
+                keep = set(survivors)
+                for i, r in enumerate(self.rows):
+                    if i not in keep:
+                        self._store_prefix(i, r)
+            self._keep_rows(survivors)
+
+    def _store_prefix(self, i: int, r: Request) -> None:
+        """Keep a finished row's KV (prompt + all but the last output token, i.e. what was
+        fed) so the episode's next turn, whose prompt extends it, skips that prefill."""
+        real = self.mask[i].nonzero()[:, 0]
+        tokens = tuple(r.input_ids) + tuple(r.output_ids[:-1])
+        if len(real) != len(tokens):
+            return
+        kv = [(layer.keys[i].index_select(1, real), layer.values[i].index_select(1, real))
+              for layer in self._layers(self.cache)]
+        self.prefix_cache.put(tokens, kv)
+
+    def _append_tokens(self, reqs, tokens, logps) -> list[int]:
+        """Record one sampled token per request; return indices of unfinished ones."""
+        toks = tokens.tolist()
+        lps = logps.tolist() if logps is not None else None
+        survivors = []
+        for i, (r, tok) in enumerate(zip(reqs, toks)):
+            r.output_ids.append(tok)
+            if r.return_logprob:
+                r.logprobs.append(lps[i])
+            reason = None
+            if (tok in self.eos_ids and not r.ignore_eos) or tok in r.stop_token_ids:
+                reason = {"type": "stop", "matched": tok}
+            elif r.stop and self._matches_stop(r):
+                reason = {"type": "stop", "matched": r.matched_stop}
+            elif len(r.output_ids) >= r.max_new_tokens:
+                reason = {"type": "length", "length": len(r.output_ids)}
+            elif len(r.input_ids) + len(r.output_ids) >= self.max_context_len:
+                reason = {"type": "length", "length": len(r.output_ids)}
+            if reason is None:
+                survivors.append(i)
+            else:
+                self._finish(r, reason)
+        return survivors
+
+    def _matches_stop(self, r: Request) -> bool:
+        # Decode only a tail: a stop string can only end in the newest token.
+        longest = max(len(s) for s in r.stop)
+        tail = self.tokenizer.decode(r.output_ids[-(longest + 4):], skip_special_tokens=False)
+        for s in r.stop:
+            if s and s in tail:
+                r.matched_stop = s
+                return True
+        return False
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]):
+        """Sample one token per row; return (tokens, log-probs of them or None)."""
+        temps = [r.temperature for r in reqs]
+        want_lp = any(r.return_logprob for r in reqs)
+        if all(t == 0 for t in temps):
+            tokens = logits.argmax(-1)
+            logps = None
+            if want_lp:
+                logps = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
+            return tokens, logps
+        t = torch.tensor([tt if tt > 0 else 1.0 for tt in temps], dtype=logits.dtype)
+        scaled = logits / t[:, None]
+        logp_scaled = torch.log_softmax(scaled, -1)
+        filt = scaled
+        if any(r.top_k > 0 for r in reqs) or any(r.top_p < 1.0 for r in reqs):
+            filt = self._filter(scaled.clone(), reqs)
+        probs = torch.softmax(filt, -1)
+        tokens = torch.empty(len(reqs), dtype=torch.long)
+        shared = [i for i, r in enumerate(reqs) if r.generator is None and r.temperature > 0]
+        if shared:
+            idx = torch.tensor(shared)
+            tokens[idx] = torch.multinomial(probs[idx], 1, generator=self.default_gen)[:, 0]
+        for i, r in enumerate(reqs):
+            if r.temperature == 0:
+                tokens[i] = logits[i].argmax()
+            elif r.generator is not None:
+                tokens[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
+        logps = None
+        if want_lp:
+            base = logp_scaled
+            greedy_rows = [i for i, r in enumerate(reqs) if r.temperature == 0]
+            if RETURN_ORIGINAL_LOGPROB or greedy_rows:
+                unscaled = torch.log_softmax(logits, -1)
+                if RETURN_ORIGINAL_LOGPROB:
+                    base = unscaled
+                else:
+                    base = logp_scaled.clone()
+                    base[greedy_rows] = unscaled[greedy_rows]
+            logps = base.gather(1, tokens[:, None])[:, 0]
+        return tokens, logps
+
+    @staticmethod
+    def _filter(scaled: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        vocab = scaled.shape[-1]
+        ks = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in reqs])
+        ps = torch.tensor([r.top_p for r in reqs], dtype=scaled.dtype)
+        sorted_logits, order = scaled.sort(-1, descending=True)
+        ranks = torch.arange(vocab)[None, :]
+        remove = ranks >= ks[:, None]
+        probs = torch.softmax(sorted_logits, -1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        remove |= (probs.cumsum(-1) - probs) > ps[:, None]
+        sorted_logits[remove] = float("-inf")
+        return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+
+    # ---- batch bookkeeping ----
+    @staticmethod
+    def _layers(cache):
+        return cache.layers
+
+    def _select_cache(self, cache, idx: torch.Tensor):
+        for i, layer in enumerate(self._layers(cache)):
+            cache.layers[i] = GrowingLayer(layer.keys.index_select(0, idx),
+                                           layer.values.index_select(0, idx))
+        return cache
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        if not keep:
+            self.rows, self.cache, self.mask, self.pos, self.last = [], None, None, None, None
+            return
+        idx = torch.tensor(keep, dtype=torch.long)
+        self.rows = [self.rows[i] for i in keep]
+        self._select_cache(self.cache, idx)
+        self.mask, self.pos, self.last = self.mask[idx], self.pos[idx], self.last[idx]
+        # Trim columns that are padding in every remaining row (left side only).
+        real = self.mask.any(0).nonzero()
+        first = int(real[0]) if len(real) else 0
+        if first > 0:
+            self.mask = self.mask[:, first:]
+            for layer in self._layers(self.cache):
+                layer.trim_left(first)
+
+    def _merge(self, reqs, cache, mask, pos, last) -> None:
+        if not self.rows:
+            for i, layer in enumerate(self._layers(cache)):
+                if not isinstance(layer, GrowingLayer):
+                    cache.layers[i] = GrowingLayer(layer.keys, layer.values)
+            self.rows, self.cache, self.mask, self.pos, self.last = list(reqs), cache, mask, pos, last
+            return
+        t_old, t_new = self.mask.shape[1], mask.shape[1]
+        width = max(t_old, t_new)
+
+        def lpad(x, n, dim):
+            if n == 0:
+                return x
+            shape = list(x.shape)
+            shape[dim] = n
+            return torch.cat([x.new_zeros(shape), x], dim)
+
+        for i, (lo, ln) in enumerate(zip(self._layers(self.cache), self._layers(cache))):
+            self.cache.layers[i] = GrowingLayer(
+                torch.cat([lpad(lo.keys, width - t_old, 2), lpad(ln.keys, width - t_new, 2)], 0),
+                torch.cat([lpad(lo.values, width - t_old, 2), lpad(ln.values, width - t_new, 2)], 0))
+        self.mask = torch.cat([lpad(self.mask, width - t_old, 1), lpad(mask, width - t_new, 1)], 0)
+        self.pos = torch.cat([self.pos, pos])
+        self.last = torch.cat([self.last, last])
+        self.rows.extend(reqs)

@@ -1,0 +1,669 @@
+"""homegym's CPU inference server: a transformers model behind SGLang's HTTP routes.
+
+    python -m rollout.engines.hf.server --model-path P --host 127.0.0.1 --port N \
+        [--api-key K] [--torch-threads 1] [--max-context-len L] [--dtype float32]
+
+Everything above the engine (router, rollout manager, user generate functions, trainer
+weight sync) speaks SGLang's contract, so it cannot tell this server from SGLang. The
+model runs on one scheduler thread with continuous batching (see batcher.py); this module
+is the HTTP layer: parse and validate, hand requests to the batcher, format SGLang's
+responses. Requests with ``input_ids`` are never tokenized; JSON goes through orjson.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import logging
+import os
+import time
+import uuid
+from typing import Any, Optional
+
+import orjson
+import torch
+from aiohttp import web
+
+from rollout.engines.hf import fast_kernels
+from rollout.engines.hf.batcher import Batcher, Request
+from rollout.engines.weights_io import (MultiprocessingSerializer, checksum, checksums_match,
+                                        init_custom_process_group)
+
+log = logging.getLogger("homegym.hf_server")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Routes that answer without the api key (SGLang leaves /health open for probes).
+OPEN_ROUTES = {"/health"}
+
+
+class BadRequest(ValueError):
+    """A client mistake: answered with HTTP 400 and this message."""
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+            405: "MethodNotAllowed", 503: "ServiceUnavailable"}.get(status, "Error")
+    return _json({"error": {"message": message, "type": kind, "code": status},
+                  "success": False, "message": message}, status)
+
+
+async def _body(request: web.Request) -> dict:
+    raw = await request.read()
+    if not raw:
+        return {}
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object")
+    return data
+
+
+def _num(params: dict, key: str, default, kind=float, lo=None, hi=None, lo_open=False):
+    value = params.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            kind is int and not float(value).is_integer()):
+        raise BadRequest(f"sampling_params.{key} must be {'an integer' if kind is int else 'a number'} "
+                         f"(got {value!r})")
+    value = kind(value)
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise BadRequest(f"sampling_params.{key} must be {'>' if lo_open else '>='} {lo} (got {value})")
+    if hi is not None and value > hi:
+        raise BadRequest(f"sampling_params.{key} must be <= {hi} (got {value})")
+    return value
+
+
+class Server:
+    def __init__(self, args: argparse.Namespace):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.args = args
+        self.model_path = args.model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+        attn = args.attn_implementation
+        if attn == "eager" and not args.disable_fast_attention:
+            attn = fast_kernels.register()  # eager's math without copying K/V per step
+        self.model = AutoModelForCausalLM.from_pretrained(
+            args.model_path, dtype=DTYPES[args.dtype], attn_implementation=attn)
+        self.model.eval()
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_context_len = int(args.max_context_len or getattr(cfg, "max_position_embeddings", 4096))
+        eos = set()
+        for src in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if isinstance(src, int):
+                eos.add(src)
+            elif isinstance(src, (list, tuple)):
+                eos.update(int(x) for x in src)
+        self.eos_ids = eos
+        self.batcher = Batcher(self.model, self.tokenizer, eos, self.max_context_len,
+                               max_batch_size=args.max_running_requests,
+                               weight_version=args.weight_version,
+                               prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)))
+        self.groups: dict[str, Any] = {}
+        self.released_shapes: Optional[dict] = None
+        self.weights_need_update = False
+
+    # ---- plumbing ----
+    async def on_scheduler(self, fn):
+        """Run ``fn`` on the scheduler thread between decode steps and await its result."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def done(result, err):
+            def settle():
+                if fut.done():
+                    return
+                if err is not None:
+                    fut.set_exception(err)
+                else:
+                    fut.set_result(result)
+            loop.call_soon_threadsafe(settle)
+
+        self.batcher.call(fn, done)
+        return await fut
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self.middleware], client_max_size=1 << 30)
+        r = app.router
+        r.add_post("/generate", self.generate)
+        for path, handler in [("/health", self.health), ("/health_generate", self.health_generate),
+                              ("/get_model_info", self.model_info), ("/model_info", self.model_info),
+                              ("/get_server_info", self.server_info), ("/server_info", self.server_info),
+                              ("/get_weight_version", self.get_weight_version),
+                              ("/flush_cache", self.flush_cache), ("/v1/models", self.v1_models)]:
+            r.add_get(path, handler)
+            r.add_post(path, handler)
+        for path, handler in [("/abort_request", self.abort_request),
+                              ("/update_weights_from_tensor", self.update_weights_from_tensor),
+                              ("/init_weights_update_group", self.init_weights_update_group),
+                              ("/destroy_weights_update_group", self.destroy_weights_update_group),
+                              ("/update_weights_from_distributed", self.update_weights_from_distributed),
+                              ("/update_weights_from_disk", self.update_weights_from_disk),
+                              ("/release_memory_occupation", self.release_memory),
+                              ("/resume_memory_occupation", self.resume_memory),
+                              ("/pause_generation", self.pause_generation),
+                              ("/continue_generation", self.continue_generation),
+                              ("/get_weights_by_name", self.get_weights_by_name),
+                              ("/v1/chat/completions", self.chat_completions)]:
+            r.add_post(path, handler)
+        return app
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler):
+        key = self.args.api_key
+        if key and request.path not in OPEN_ROUTES:
+            if request.headers.get("Authorization", "") != f"Bearer {key}":
+                return _error("missing or wrong api key (send 'Authorization: Bearer <key>')", 401)
+        try:
+            return await handler(request)
+        except BadRequest as exc:
+            return _error(str(exc), 400)
+        except web.HTTPException as exc:  # unknown route / wrong method -> JSON, not HTML
+            if exc.status == 404:
+                return _error(f"unknown route {request.method} {request.path}", 404)
+            return _error(f"{exc.reason} for {request.method} {request.path}", exc.status)
+        except Exception as exc:  # a bug must not take the server down
+            log.exception("error in %s", request.path)
+            return _error(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+    # ---- generation ----
+    def _sampling(self, sp: Any) -> dict:
+        if sp is None:
+            sp = {}
+        if not isinstance(sp, dict):
+            raise BadRequest("sampling_params must be a JSON object")
+        stop = sp.get("stop") or ()
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise BadRequest("sampling_params.stop must be a string or a list of strings")
+        stop_ids = sp.get("stop_token_ids") or ()
+        if not isinstance(stop_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+            raise BadRequest("sampling_params.stop_token_ids must be a list of integers")
+        top_k = _num(sp, "top_k", -1, int)
+        if top_k == 0 or top_k < -1:
+            raise BadRequest(f"sampling_params.top_k must be -1 (off) or >= 1 (got {top_k})")
+        seed = sp.get("seed", sp.get("sampling_seed"))
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise BadRequest(f"sampling_params.seed must be an integer (got {seed!r})")
+        ignore_eos = sp.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise BadRequest("sampling_params.ignore_eos must be a boolean")
+        return dict(
+            temperature=_num(sp, "temperature", 1.0, float, lo=0.0),
+            top_p=_num(sp, "top_p", 1.0, float, lo=0.0, hi=1.0, lo_open=True),
+            top_k=top_k,
+            max_new_tokens=_num(sp, "max_new_tokens", 128, int, lo=0),
+            n=_num(sp, "n", 1, int, lo=1, hi=1024),
+            stop=tuple(s for s in stop if s),
+            stop_token_ids=frozenset(stop_ids),
+            seed=seed,
+            ignore_eos=ignore_eos,
+        )
+
+    def _prompt_ids(self, text, input_ids) -> list[int]:
+        if input_ids is not None:
+            if not isinstance(input_ids, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+                raise BadRequest("input_ids must be a list of integers")
+            ids = input_ids
+        elif isinstance(text, str):
+            ids = self.tokenizer.encode(text)
+        else:
+            raise BadRequest("give either 'text' (a string) or 'input_ids' (a list of token ids)")
+        if not ids:
+            raise BadRequest("the prompt is empty")
+        if len(ids) >= self.max_context_len:
+            raise BadRequest(f"the prompt has {len(ids)} tokens; this server's context length is "
+                             f"{self.max_context_len} (prompt + new tokens)")
+        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise BadRequest(f"input_ids contains ids outside the vocabulary [0, {self.vocab_size}): "
+                             f"{bad[:5]}")
+        return ids
+
+    async def _run(self, ids: list[int], sp: dict, rid: str, return_logprob: bool,
+                   group_rid: Optional[str] = None) -> Request:
+        if self.weights_need_update:
+            raise web.HTTPServiceUnavailable(reason="weights were released; update weights "
+                                                    "after /resume_memory_occupation")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def on_done(req):
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
+
+        req = Request(rid=rid, input_ids=ids, max_new_tokens=sp["max_new_tokens"],
+                      temperature=sp["temperature"], top_p=sp["top_p"], top_k=sp["top_k"],
+                      stop_token_ids=sp["stop_token_ids"], stop=sp["stop"],
+                      ignore_eos=sp["ignore_eos"], seed=sp["seed"],
+                      return_logprob=return_logprob, on_done=on_done, group_rid=group_rid)
+        if req.max_new_tokens == 0:
+            req.finish_reason = {"type": "length", "length": 0}
+            req.weight_version = self.batcher.weight_version
+            return req
+        self.batcher.submit(req)
+        try:
+            return await fut
+        except asyncio.CancelledError:  # client went away: free the row
+            self.batcher.abort(rid=rid)
+            raise
+
+    def _text(self, req: Request) -> str:
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        if req.matched_stop:  # SGLang trims the matched stop string from the text
+            cut = text.find(req.matched_stop)
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+    def _format(self, req: Request, t0: float) -> dict:
+        meta = {"id": req.rid, "finish_reason": req.finish_reason,
+                "prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids),
+                "cached_tokens": req.cached_tokens, "weight_version": req.weight_version,
+                "e2e_latency": time.perf_counter() - t0}
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in
+                                             zip(req.logprobs, req.output_ids)]
+            meta["input_token_logprobs"] = []
+        return {"text": self._text(req), "output_ids": req.output_ids, "meta_info": meta}
+
+    async def generate(self, request: web.Request) -> web.Response:
+        t0 = time.perf_counter()
+        body = await _body(request)
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by the hf engine")
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if text is None and input_ids is None and isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+        batch = (isinstance(text, list) or (isinstance(input_ids, list) and input_ids
+                                            and isinstance(input_ids[0], list)))
+        texts = text if isinstance(text, list) else [text]
+        idss = input_ids if batch and input_ids is not None else [input_ids]
+        prompts = [self._prompt_ids(t if input_ids is None else None, i)
+                   for t, i in zip(texts if input_ids is None else [None] * len(idss), idss)]
+        sps = body.get("sampling_params")
+        sps = sps if isinstance(sps, list) else [sps] * len(prompts)
+        if len(sps) != len(prompts):
+            raise BadRequest("sampling_params list must have one entry per prompt")
+        params = [self._sampling(s) for s in sps]
+        rids = body.get("rid")
+        rids = rids if isinstance(rids, list) else [rids] * len(prompts)
+        return_logprob = bool(body.get("return_logprob", False))
+        jobs = []
+        for ids, sp, rid in zip(prompts, params, rids):
+            if len(ids) + 1 > self.max_context_len:
+                raise BadRequest("prompt leaves no room for new tokens in the context")
+            for k in range(sp["n"]):
+                r = str(rid) if rid is not None else uuid.uuid4().hex
+                if sp["n"] > 1:
+                    r = f"{r}-{k}" if rid is not None else r
+                jobs.append(self._run(ids, sp, r, return_logprob,
+                                      str(rid) if rid is not None and sp["n"] > 1 else None))
+        reqs = await asyncio.gather(*jobs)
+        out = [self._format(r, t0) for r in reqs]
+        return _json(out if (batch or len(out) > 1) else out[0])
+
+    async def chat_completions(self, request: web.Request) -> web.Response:
+        t0 = time.perf_counter()
+        body = await _body(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and "role" in m for m in messages):
+            raise BadRequest("messages must be a non-empty list of {role, content} objects")
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by the hf engine")
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise BadRequest("chat_template_kwargs must be an object")
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                        add_generation_prompt=True, **kwargs)
+        except Exception as exc:
+            raise BadRequest(f"could not apply the chat template: {exc}") from None
+        ids = self._prompt_ids(None, self.tokenizer.encode(prompt, add_special_tokens=False))
+        sp = {k: body[k] for k in ("temperature", "top_p", "top_k", "n", "stop", "seed")
+              if body.get(k) is not None}
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        sp["max_new_tokens"] = max_tokens if max_tokens is not None else \
+            self.max_context_len - len(ids)
+        sp = self._sampling(sp)
+        sp["max_new_tokens"] = min(sp["max_new_tokens"], self.max_context_len - len(ids))
+        rid = uuid.uuid4().hex
+        reqs = await asyncio.gather(*[self._run(ids, sp, f"{rid}-{k}", False)
+                                      for k in range(sp["n"])])
+        choices = []
+        for k, r in enumerate(reqs):
+            kind = r.finish_reason["type"]
+            choices.append({"index": k, "message": {"role": "assistant", "content": self._text(r)},
+                            "finish_reason": {"stop": "stop", "length": "length"}.get(kind, kind)})
+        completion = sum(len(r.output_ids) for r in reqs)
+        return _json({"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
+                      "model": body.get("model") or self.model_path, "choices": choices,
+                      "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
+                                "total_tokens": len(ids) + completion},
+                      "metadata": {"weight_version": reqs[0].weight_version,
+                                   "latency_s": time.perf_counter() - t0}})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        if body.get("abort_all"):
+            self.batcher.abort(abort_all=True)
+        elif body.get("rid"):
+            self.batcher.abort(rid=str(body["rid"]))
+        else:
+            raise BadRequest("give 'rid' or 'abort_all': true")
+        return _json({"success": True})
+
+    # ---- info ----
+    async def health(self, request):
+        return web.Response(text="")
+
+    async def health_generate(self, request):
+        if self.weights_need_update:
+            return _error("weights released", 503)
+        sp = self._sampling({"max_new_tokens": 1, "temperature": 0})
+        await self._run([self.eos_ids and min(self.eos_ids) or 0], sp, "health-" + uuid.uuid4().hex, False)
+        return web.Response(text="")
+
+    async def model_info(self, request):
+        return _json({"model_path": self.model_path, "tokenizer_path": self.args.tokenizer_path
+                      or self.model_path, "is_generation": True, "preferred_sampling_params": None,
+                      "weight_version": self.batcher.weight_version, "has_image_understanding": False,
+                      "has_audio_understanding": False, "model_type": self.model.config.model_type,
+                      "architectures": getattr(self.model.config, "architectures", None)})
+
+    async def server_info(self, request):
+        return _json({"engine": "homegym-hf", "version": "homegym-hf", "model_path": self.model_path,
+                      "context_length": self.max_context_len, "max_context_len": self.max_context_len,
+                      "dtype": self.args.dtype, "weight_version": self.batcher.weight_version,
+                      "num_running_reqs": self.batcher.num_running, "paused": self.batcher.paused,
+                      "released": self.released_shapes is not None,
+                      "decode_steps": self.batcher.steps, **self.batcher.stats,
+                      "prefix_cache_hits": self.batcher.prefix_cache.hits,
+                      "prefix_cache_hit_tokens": self.batcher.prefix_cache.hit_tokens,
+                      "prefix_cache_mb": self.batcher.prefix_cache.bytes / (1 << 20), "max_running_requests":
+                      self.args.max_running_requests, "api_key_required": bool(self.args.api_key)})
+
+    async def v1_models(self, request):
+        return _json({"object": "list", "data": [{"id": self.model_path, "object": "model",
+                                                  "owned_by": "homegym"}]})
+
+    async def get_weight_version(self, request):
+        return _json({"weight_version": self.batcher.weight_version})
+
+    async def flush_cache(self, request):
+        await self.on_scheduler(self.batcher.prefix_cache.clear)
+        return _json({"success": True, "message": "prefix cache flushed"})
+
+    async def pause_generation(self, request):
+        body = await _body(request)
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "in_place", "retract"):
+            raise BadRequest("mode must be abort, in_place or retract")
+        if mode == "abort":
+            self.batcher.abort(abort_all=True)
+        await self.on_scheduler(lambda: setattr(self.batcher, "paused", True))
+        return _json({"success": True})
+
+    async def continue_generation(self, request):
+        self.batcher.paused = False
+        self.batcher.wakeup.set()
+        return _json({"success": True})
+
+    async def get_weights_by_name(self, request):
+        body = await _body(request)
+        name = body.get("name")
+        sd = self.model.state_dict()
+        if name not in sd:
+            raise BadRequest(f"unknown parameter {name!r}")
+        t = sd[name].to(torch.float32)
+        trunc = int(body.get("truncate_size", 100))
+        return _json(t[:trunc].tolist())
+
+    # ---- weights ----
+    def _apply(self, named: list[tuple[str, torch.Tensor]], expected: Optional[float],
+               version: Optional[str]) -> dict:
+        """Validate everything, then copy: a bad update leaves the old weights untouched."""
+        if self.released_shapes is not None:
+            raise BadRequest("weights are released; call /resume_memory_occupation first")
+        sd = self.model.state_dict()
+        for name, tensor in named:
+            if name not in sd:
+                raise BadRequest(f"unknown parameter {name!r}")
+            if tuple(sd[name].shape) != tuple(tensor.shape):
+                raise BadRequest(f"shape mismatch for {name}: engine {tuple(sd[name].shape)}, "
+                                 f"update {tuple(tensor.shape)}")
+        if expected is not None:
+            got = checksum(t for _, t in named)
+            if not checksums_match(float(expected), got):
+                raise BadRequest(f"checksum mismatch: expected {expected!r}, received tensors sum "
+                                 f"to {got!r}; weights not updated (still version "
+                                 f"{self.batcher.weight_version!r})")
+        with torch.no_grad():
+            for name, tensor in named:
+                sd[name].copy_(tensor)
+        self.batcher.prefix_cache.clear()  # cached KV belongs to the old weights
+        if version is not None:
+            self.batcher.weight_version = str(version)
+        self.weights_need_update = False
+        return {"success": True, "message": f"updated {len(named)} tensors",
+                "weight_version": self.batcher.weight_version}
+
+    async def _weights_call(self, fn) -> web.Response:
+        try:
+            return _json(await self.on_scheduler(fn))
+        except BadRequest as exc:
+            return _json({"success": False, "message": str(exc)}, 400)
+
+    async def update_weights_from_tensor(self, request):
+        body = await _body(request)
+        payload = body.get("serialized_named_tensors")
+        if isinstance(payload, list):
+            if not payload:
+                raise BadRequest("serialized_named_tensors is empty")
+            payload = payload[0]  # one entry per TP rank; CPU engines have one rank
+        if not isinstance(payload, str):
+            raise BadRequest("serialized_named_tensors must be a base64 string or a list of them")
+        fmt = body.get("load_format")
+        if fmt not in (None, "direct", "default"):
+            raise BadRequest(f"load_format {fmt!r} is not supported by the hf engine")
+        try:
+            named = MultiprocessingSerializer.deserialize(payload)
+        except Exception as exc:
+            raise BadRequest(f"could not deserialize serialized_named_tensors: {exc}") from None
+        named = [(str(n), t) for n, t in named]
+        return await self._weights_call(lambda: self._apply(named, body.get("checksum"),
+                                                            body.get("weight_version")))
+
+    async def update_weights_from_disk(self, request):
+        body = await _body(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not os.path.isdir(path):
+            raise BadRequest(f"model_path must be an existing checkpoint directory (got {path!r})")
+
+        def load():
+            from safetensors.torch import load_file
+            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+            if files:
+                sd = {}
+                for f in files:
+                    sd.update(load_file(f))
+            else:
+                files = sorted(glob.glob(os.path.join(path, "*.bin")))
+                if not files:
+                    raise BadRequest(f"no *.safetensors or *.bin weights in {path}")
+                sd = {}
+                for f in files:
+                    sd.update(torch.load(f, map_location="cpu", weights_only=True))
+            return list(sd.items())
+
+        named = await asyncio.to_thread(load)
+        return await self._weights_call(lambda: self._apply(named, body.get("checksum"),
+                                                            body.get("weight_version")))
+
+    async def init_weights_update_group(self, request):
+        body = await _body(request)
+        for key in ("master_address", "master_port", "rank_offset", "world_size"):
+            if key not in body:
+                raise BadRequest(f"missing field {key!r}")
+        name = body.get("group_name", "weight_update_group")
+        backend = body.get("backend") or "gloo"
+        if backend == "nccl":
+            backend = "gloo"  # the CPU engine receives over gloo whatever the GPU side says
+        init = f"tcp://{body['master_address']}:{int(body['master_port'])}"
+        try:
+            pg = await asyncio.to_thread(init_custom_process_group, backend, init,
+                                         int(body["world_size"]), int(body["rank_offset"]), name)
+        except Exception as exc:
+            return _json({"success": False, "message": f"init_weights_update_group failed: {exc}"}, 400)
+        self.groups[name] = pg
+        return _json({"success": True, "message": f"joined {name} as rank {body['rank_offset']}"})
+
+    async def destroy_weights_update_group(self, request):
+        body = await _body(request)
+        name = body.get("group_name", "weight_update_group")
+        pg = self.groups.pop(name, None)
+        if pg is None:
+            raise BadRequest(f"no weights update group {name!r}")
+        import torch.distributed as dist
+        dist.destroy_process_group(pg)
+        return _json({"success": True})
+
+    async def update_weights_from_distributed(self, request):
+        import torch.distributed as dist
+
+        body = await _body(request)
+        name = body.get("group_name", "weight_update_group")
+        pg = self.groups.get(name)
+        if pg is None:
+            raise BadRequest(f"no weights update group {name!r}; call /init_weights_update_group")
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes)):
+            raise BadRequest("names, dtypes and shapes must be lists of the same length")
+        try:
+            dts = [getattr(torch, str(d).replace("torch.", "")) for d in dtypes]
+        except AttributeError as exc:
+            raise BadRequest(f"unknown dtype: {exc}") from None
+
+        def receive():
+            # Receive every tensor first (the trainer broadcasts them all regardless), then
+            # validate and apply, so a mismatch leaves the old weights in place.
+            named = []
+            for n, d, s in zip(names, dts, shapes):
+                t = torch.empty(tuple(s), dtype=d)
+                dist.broadcast(t, src=0, group=pg)
+                named.append((n, t))
+            return self._apply(named, body.get("checksum"), body.get("weight_version"))
+
+        return await self._weights_call(receive)
+
+    async def release_memory(self, request):
+        body = await _body(request)
+
+        def release():
+            self.batcher.reset_batch("memory released")
+            self.batcher.prefix_cache.clear()
+            if self.released_shapes is None:
+                shapes = {}
+                for n, p in self.model.named_parameters():
+                    shapes[n] = (p.shape, p.dtype)
+                    p.data = torch.empty(0, dtype=p.dtype)
+                self.released_shapes = shapes
+            self.batcher.released = True
+            return {"success": True, "message": "weights and KV cache released"}
+
+        import gc
+        out = await self.on_scheduler(release)
+        gc.collect()
+        return _json(out)
+
+    async def resume_memory(self, request):
+        body = await _body(request)
+        tags = body.get("tags")
+        if tags is not None and not (isinstance(tags, list) and set(tags) <= {"weights", "kv_cache"}):
+            raise BadRequest("tags must be null or a list of 'weights' / 'kv_cache'")
+
+        def resume():
+            if self.released_shapes is not None and (tags is None or "weights" in tags):
+                # Like SGLang without a CPU backup, the weights come back allocated but not
+                # loaded: the trainer must push weights before the next generate.
+                params = dict(self.model.named_parameters())
+                for n, (shape, dtype) in self.released_shapes.items():
+                    params[n].data = torch.zeros(shape, dtype=dtype)
+                self.released_shapes = None
+                self.weights_need_update = True
+            if self.released_shapes is None:
+                self.batcher.released = False
+            return {"success": True}
+
+        return _json(await self.on_scheduler(resume))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (see --port-file)")
+    p.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--max-context-len", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--attn-implementation", default="eager")
+    p.add_argument("--disable-fast-attention", action="store_true",
+                   help="use transformers' eager attention as is (see hf/fast_kernels.py)")
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--prefix-cache-mb", type=float, default=256,
+                   help="KV of finished sequences kept for multi-turn prompts (0 = off)")
+    p.add_argument("--log-level", default="warning")
+    args = p.parse_args(argv)
+    if args.torch_threads < 1:
+        p.error("--torch-threads must be >= 1")
+    return args
+
+
+async def serve(args: argparse.Namespace) -> None:
+    server = Server(args)
+    server.batcher.start()
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    if args.port_file:
+        tmp = args.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, args.port_file)  # readers never see a half-written file
+    log.warning("hf engine serving %s on http://%s:%d", args.model_path, args.host, port)
+    await asyncio.Event().wait()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.torch_threads))
+    torch.set_num_threads(args.torch_threads)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)  # router's HTTP/2 probe
+    try:
+        asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Benchmark the CPU engine (through the real router) against plain ``model.generate()``.
+
+    .venv/bin/python scripts/bench_engine.py [--model tiny-qwen3|smollm2-135m|DIR]
+        [--prompts 64] [--new-tokens 32] [--engines 1] [--hf-batch-size 64]
+
+Workload: prompts of mixed lengths, each generating exactly --new-tokens tokens
+(ignore_eos), sampled at temperature 1. Reports tokens/s for
+- the engine: all prompts sent at once through sglang-router (continuous batching);
+- transformers' model.generate(): the same prompts, left-padded, in batches of
+  --hf-batch-size, one thread (what a user would naturally write);
+- the raw forward-pass bound: one batched decode step with a KV cache at the mean
+  length, i.e. what a perfect scheduler with zero overhead could reach.
+Not a test: timings depend on the machine (and on other processes sharing it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def make_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(10, vocab - 1, (length,), generator=g).tolist() for length in lengths]
+
+
+async def run_engine(url: str, prompts, new_tokens: int) -> tuple[float, int]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async def one(p):
+            async with session.post(url + "/generate", json={
+                    "input_ids": p, "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": new_tokens, "temperature": 1.0,
+                                        "ignore_eos": True}}) as r:
+                body = await r.json()
+                assert r.status == 200, body
+                return len(body["output_ids"])
+
+        await one(prompts[0])  # warm-up
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*[one(p) for p in prompts])
+        return time.perf_counter() - t0, sum(counts)
+
+
+async def run_multiturn(url: str, episodes: int, turns: int, vocab: int, seed: int = 0):
+    """The RL loop's shape: ``episodes`` concurrent games, each a chain of short turns
+    (prompt ~60-150 tokens, 5-8 new tokens, then ~10 environment tokens appended)."""
+    import random
+
+    import aiohttp
+
+    rng = random.Random(seed)
+    latencies: list[float] = []
+
+    async def episode(session, k):
+        ids = [rng.randrange(10, vocab - 1) for _ in range(rng.randint(60, 100))]
+        new = 0
+        for _ in range(turns):
+            t0 = time.perf_counter()
+            async with session.post(url + "/generate", json={
+                    "input_ids": ids, "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": rng.randint(5, 8), "temperature": 1.0,
+                                        "ignore_eos": True}}) as r:
+                body = await r.json()
+            latencies.append(time.perf_counter() - t0)
+            ids = ids + body["output_ids"] + [rng.randrange(10, vocab - 1) for _ in range(10)]
+            new += len(body["output_ids"])
+        return new
+
+    conn = aiohttp.TCPConnector(limit=episodes)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        t0 = time.perf_counter()
+        tokens = await asyncio.gather(*[episode(session, k) for k in range(episodes)])
+        dt = time.perf_counter() - t0
+    latencies.sort()
+    return dt, sum(tokens), len(latencies), latencies[len(latencies) // 2]
+
+
+def run_hf_generate(model, prompts, new_tokens: int, batch_size: int, pad_id: int):
+    total, t0 = 0, None
+    for warm in (True, False):
+        if not warm:
+            t0 = time.perf_counter()
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i:i + batch_size] if not warm else prompts[:2]
+            width = max(len(p) for p in chunk)
+            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, p in enumerate(chunk):
+                ids[j, width - len(p):] = torch.tensor(p)
+                mask[j, width - len(p):] = 1
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                                     temperature=1.0, top_k=0, top_p=1.0,
+                                     max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                     pad_token_id=pad_id)
+            if not warm:
+                total += (out.shape[1] - width) * len(chunk)
+            if warm:
+                break
+    return time.perf_counter() - t0, total
+
+
+def forward_bound(model, batch: int, length: int, steps: int = 20) -> float:
+    from transformers import DynamicCache
+
+    ids = torch.randint(10, 100, (batch, length))
+    with torch.no_grad():
+        cache = DynamicCache()
+        model(input_ids=ids, use_cache=True, past_key_values=cache)
+        step = torch.randint(10, 100, (batch, 1))
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            model(input_ids=step, use_cache=True, past_key_values=cache, logits_to_keep=1)
+        dt = (time.perf_counter() - t0) / steps
+    return batch / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny-qwen3")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--min-len", type=int, default=8)
+    ap.add_argument("--max-len", type=int, default=160)
+    ap.add_argument("--engines", type=int, default=1)
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--multiturn-turns", type=int, default=8,
+                    help="also run the RL loop's multi-turn shape (0 = skip)")
+    ap.add_argument("--episodes", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3, help="best of N timed runs")
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollout.engines import EngineServer, HFLaunch, Router
+    from trainer.models import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    prompts = make_prompts(args.prompts, model.config.vocab_size, args.min_len, args.max_len)
+    mean_len = sum(map(len, prompts)) / len(prompts)
+    print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params; "
+          f"{len(prompts)} prompts, lengths {min(map(len, prompts))}-{max(map(len, prompts))} "
+          f"(mean {mean_len:.0f}), {args.new_tokens} new tokens each")
+
+    engines = [EngineServer(HFLaunch(model_path=path, max_context_len=4096), f"bench{i}")
+               for i in range(args.engines)]
+    router = Router(tokenizer_path=path)
+    try:
+        urls = [e.start() for e in engines]
+        router.start(urls)
+        # Best of --repeat: other processes on a small box add noise, never speed.
+        e_dt, e_tokens = min(asyncio.run(run_engine(router.url, prompts, args.new_tokens))
+                             for _ in range(args.repeat))
+        if args.multiturn_turns:
+            m_dt, m_tok, m_req, p50 = asyncio.run(run_multiturn(
+                router.url, args.episodes, args.multiturn_turns, model.config.vocab_size))
+            print(f"multi-turn RL shape: {args.episodes} episodes x {args.multiturn_turns} turns = "
+                  f"{m_req} requests in {m_dt:.2f}s = {m_req / m_dt:,.0f} req/s, "
+                  f"{m_tok / m_dt:,.0f} new tok/s, p50 latency {p50 * 1000:.0f} ms")
+        for e in engines:
+            info = e.server_info()
+            print(f"  {e.name}: {info['prefills']} prefills {info['prefill_s']:.2f}s, "
+                  f"{info['decode_steps']} decode steps {info['decode_s']:.2f}s (incl. warm-up)")
+    finally:
+        router.shutdown()
+        for e in engines:
+            e.shutdown()
+    e_tps = e_tokens / e_dt
+    print(f"engine via router ({args.engines} engine): {e_tokens} tokens in {e_dt:.2f}s = {e_tps:,.0f} tok/s")
+
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    h_dt, h_tokens = min(run_hf_generate(model, prompts, args.new_tokens, args.hf_batch_size, pad)
+                         for _ in range(args.repeat))
+    h_tps = h_tokens / h_dt
+    print(f"model.generate() batch {args.hf_batch_size}: {h_tokens} tokens in {h_dt:.2f}s = "
+          f"{h_tps:,.0f} tok/s")
+    bound = forward_bound(model, min(args.prompts, 256), int(mean_len + args.new_tokens / 2))
+    print(f"raw decode forward bound (batch {min(args.prompts, 256)}, len {int(mean_len + args.new_tokens / 2)}): "
+          f"{bound:,.0f} tok/s")
+    print(f"ratio engine / generate(): {e_tps / h_tps:.2f}x; engine / bound: {e_tps / bound:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Policy losses, KL estimators, TIS and aggregation against values computed by hand."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trainer.algo.losses import (
+    LossNorms, aggregate, entropy_from_logits, gspo_loss, kl_penalty, ppo_clip_loss,
+    tis_weights, token_log_probs)
+from trainer.algo.objective import TokenInputs, policy_objective, sft_objective
+
+
+def t(*values):
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def test_ppo_clip_higher_and_clipfrac():
+    # ratios 1.5, 0.5, 1.1 ; advantages +1, -1, +1 ; eps_low 0.2, eps_high 0.28
+    logp = torch.log(t(1.5, 0.5, 1.1))
+    old = torch.zeros(3)
+    loss, clipped = ppo_clip_loss(logp, old, t(1, -1, 1), eps_low=0.2, eps_high=0.28)
+    # tok0: max(-1.5, -1.28) = -1.28 (clipped) ; tok1: max(0.5, 0.8) = 0.8 (clipped)
+    # tok2: max(-1.1, -1.1) = -1.1 (not clipped)
+    assert torch.allclose(loss, t(-1.28, 0.8, -1.1), atol=1e-6)
+    assert clipped.tolist() == [1.0, 1.0, 0.0]
+
+
+def test_ppo_dual_clip_caps_negative_advantage_loss():
+    logp = torch.log(t(5.0, 5.0))
+    loss, clipped = ppo_clip_loss(logp, torch.zeros(2), t(-1, 1), eps_low=0.2, eps_high=0.2,
+                                  dual_clip_c=3.0)
+    # A=-1: max(5, 1.2) = 5, capped at c*|A| = 3 ; A=+1: max(-5, -1.2) = -1.2
+    assert torch.allclose(loss, t(3.0, -1.2))
+    assert clipped.tolist() == [1.0, 1.0]
+
+
+def test_ppo_gradient_with_ratio_one_is_the_policy_gradient():
+    logp = t(-1.0, -2.0).requires_grad_()
+    loss, _ = ppo_clip_loss(logp, logp.detach(), t(2, -3), eps_low=0.2, eps_high=0.2)
+    loss.sum().backward()
+    assert torch.allclose(logp.grad, t(-2, 3))
+
+
+def test_gspo_sequence_ratio_is_geometric_mean_over_model_tokens():
+    # sample 0: log-ratios 0.2, 0.4 (model) and 5 (env token, ignored) -> s = exp(0.3)
+    logp = t(0.2, 0.4, 5.0, 0.0).requires_grad_()
+    old = torch.zeros(4)
+    mask = t(1, 1, 0, 1)
+    seq = torch.tensor([0, 0, 0, 1])
+    loss, clipped = gspo_loss(logp, old, t(1, 1, 1, -1), mask, seq, 2, eps_low=0.5, eps_high=0.5)
+    s = math.exp(0.3)
+    assert torch.allclose(loss[:2], t(-s, -s))
+    assert torch.allclose(loss[3], t(1.0))
+    (loss * mask).sum().backward()
+    # d/dlogp_t of -s * exp(logp_t - sg(logp_t)) = -s
+    assert torch.allclose(logp.grad, t(-s, -s, 0, 1))
+    assert clipped.tolist() == [0, 0, 0, 0]
+
+
+def test_kl_estimators():
+    logp, ref = t(-1.0), t(-1.5)  # log r = 0.5
+    assert torch.allclose(kl_penalty(logp, ref, "k1"), t(0.5))
+    assert torch.allclose(kl_penalty(logp, ref, "k2"), t(0.125))
+    k3 = math.exp(-0.5) + 0.5 - 1
+    assert torch.allclose(kl_penalty(logp, ref, "k3"), t(k3))
+    assert torch.allclose(kl_penalty(logp, ref, "low_var_kl"), t(k3))
+    assert kl_penalty(t(0.0), t(-100.0), "low_var_kl").item() == 10.0  # clamped
+    with pytest.raises(ValueError, match="kl_type"):
+        kl_penalty(logp, ref, "k4")
+
+
+def test_tis_weights_truncate():
+    w = tis_weights(t(-1.0, -1.0), t(-3.0, -0.5), clip=2.0)
+    assert torch.allclose(w, t(2.0, math.exp(-0.5)))
+
+
+def test_aggregation_modes():
+    values = t(1, 2, 3, 4, 10)
+    mask = t(1, 1, 1, 1, 0)
+    seq = torch.tensor([0, 0, 0, 1, 1])  # sample 0: 1,2,3 ; sample 1: 4 (and env 10)
+    norms = LossNorms(num_tokens=4, num_seqs=2, norm_len=5)
+    agg = lambda mode: aggregate(values, mask, seq, 2, mode=mode, norms=norms).item()  # noqa: E731
+    assert agg("token_mean") == pytest.approx(10 / 4)
+    assert agg("seq_mean_token_mean") == pytest.approx((2 + 4) / 2)
+    assert agg("seq_mean_token_sum") == pytest.approx(10 / 2)
+    assert agg("seq_mean_token_sum_norm") == pytest.approx(10 / (2 * 5))
+    # Global norms make two halves sum to the whole.
+    half = aggregate(values[:3], mask[:3], seq[:3], 1, mode="seq_mean_token_mean", norms=norms)
+    rest = aggregate(values[3:], mask[3:], seq[3:] - 1, 1, mode="seq_mean_token_mean", norms=norms)
+    assert (half + rest).item() == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="loss_agg"):
+        aggregate(values, mask, seq, 2, mode="sum", norms=norms)
+
+
+def test_token_log_probs_and_entropy():
+    logits = torch.log(t(0.5, 0.25, 0.25)).unsqueeze(0)
+    assert torch.allclose(token_log_probs(logits, torch.tensor([1])), torch.log(t(0.25)))
+    assert torch.allclose(entropy_from_logits(logits), t(1.5 * math.log(2)))
+
+
+def _algo(**kw):
+    base = dict(policy_loss="ppo", loss_agg="token_mean", eps_clip=0.2, eps_clip_high=None,
+                dual_clip_c=None, kl_coef=0.0, kl_type="k1", entropy_coef=0.0, tis_clip=None,
+                advantage_estimator="grpo")
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_policy_objective_combines_terms_and_metrics():
+    logp = t(-1.0, -2.0, -1.0)
+    inputs = TokenInputs(loss_mask=t(1, 1, 0), seq_idx=torch.tensor([0, 0, 1]), num_seqs=2,
+                         advantages=t(1, 1, -1), old_log_probs=None,
+                         rollout_log_probs=t(-1.5, -2.0, 0.0), ref_log_probs=t(-1.5, -2.5, 0.0))
+    norms = LossNorms(num_tokens=2, num_seqs=2, norm_len=2)
+    algo = _algo(kl_coef=0.1, entropy_coef=0.01, tis_clip=10.0)
+    loss, m = policy_objective(algo, inputs, logp, t(2.0, 4.0, 100.0), norms)
+    # pg per token = -1 * ratio(=1) * TIS weight exp(old - rollout) = [-e^0.5, -1]
+    pg = (-math.exp(0.5) - 1) / 2
+    kl = (0.5 + 0.5) / 2
+    ent = (2 + 4) / 2
+    assert m["train/pg_loss"].item() == pytest.approx(pg, rel=1e-5)
+    assert m["train/kl"].item() == pytest.approx(kl)
+    assert m["train/entropy"].item() == pytest.approx(ent)
+    assert m["train/rollout_logprob_abs_diff"].item() == pytest.approx(0.25)
+    assert m["train/tis_weight"].item() == pytest.approx((math.exp(0.5) + 1) / 2, rel=1e-5)
+    assert loss.item() == pytest.approx(pg + 0.1 * kl - 0.01 * ent, rel=1e-5)
+
+
+def test_sft_objective_is_mean_nll_over_model_tokens():
+    loss, _ = sft_objective(t(-1.0, -3.0, -100.0), t(1, 1, 0), LossNorms(2, 1, 3))
+    assert loss.item() == pytest.approx(2.0)
+
+
+def test_samples_without_rollout_log_probs_get_no_tis_and_no_mismatch():
+    logp = t(-1.0, -1.0)
+    inputs = TokenInputs(loss_mask=t(1, 1), seq_idx=torch.tensor([0, 1]), num_seqs=2,
+                         advantages=t(1, 1), old_log_probs=None,
+                         rollout_log_probs=t(-2.0, 0.0), rollout_mask=t(1, 0))
+    norms = LossNorms(num_tokens=2, num_seqs=2, norm_len=1, num_rollout_tokens=1)
+    _, m = policy_objective(_algo(tis_clip=100.0), inputs, logp, None, norms)
+    assert m["train/rollout_logprob_abs_diff"].item() == pytest.approx(1.0)
+    assert m["train/tis_weight"].item() == pytest.approx((math.e + 1) / 2, rel=1e-5)

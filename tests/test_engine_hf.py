@@ -1,0 +1,332 @@
+"""The CPU engine (rollout/engines/hf) against its HTTP contract, on a real server process."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import torch
+
+from rollout.engines import EngineServer, HFLaunch, MultiprocessingSerializer, checksum
+from rollout.engines.weights_io import init_custom_process_group
+
+CTX = 256
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path, tmp_path_factory):
+    eng = EngineServer(HFLaunch(model_path=tiny_model_path, max_context_len=CTX), "hf-test",
+                       str(tmp_path_factory.mktemp("hf-engine")))
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ref_model(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation="eager").eval()
+
+
+def gen(engine, payload, status=200):
+    r = requests.post(engine.url + "/generate", json=payload, timeout=60)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def fresh_logprobs(model, prompt, output, temperature):
+    """Log-probs of ``output`` tokens from one plain forward pass over prompt + output."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+
+
+def prompts(n, lo=3, hi=60, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(lo, hi, (1,), generator=g))
+        out.append(torch.randint(5, 400, (length,), generator=g).tolist())
+    return out
+
+
+def test_generate_shape_and_eos_semantics(engine, tiny_model_path):
+    out = gen(engine, {"text": "Hello, world!", "return_logprob": True,
+                       "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "length"
+    assert meta["completion_tokens"] == len(out["output_ids"]) == 6
+    assert meta["prompt_tokens"] > 0 and meta["weight_version"] == "default"
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(lp <= 0 and txt is None for lp, _, txt in meta["output_token_logprobs"])
+    # A stop token ends generation and stays in output_ids, as in SGLang.
+    first = out["output_ids"][0]
+    stopped = gen(engine, {"text": "Hello, world!", "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "stop_token_ids": [first]}})
+    assert stopped["output_ids"] == [first]
+    assert stopped["meta_info"]["finish_reason"]["type"] == "stop"
+    # A stop string ends generation and is trimmed from the text.
+    text = out["text"]
+    if len(text) >= 3:
+        s = gen(engine, {"text": "Hello, world!", "sampling_params": {
+            "max_new_tokens": 6, "temperature": 0, "stop": [text[1:3]]}})
+        assert s["meta_info"]["finish_reason"]["type"] == "stop"
+        assert text[1:3] not in s["text"]
+    # input_ids and text give the same result for the same tokens.
+    from transformers import AutoTokenizer
+    ids = AutoTokenizer.from_pretrained(tiny_model_path).encode("Hello, world!")
+    same = gen(engine, {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+    assert same["output_ids"] == out["output_ids"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_match_fresh_forward_under_continuous_batching(engine, ref_model, temperature):
+    """Mixed-length requests joining a running batch at different times still get the
+    log-probs of a plain forward pass of their own sequence."""
+    ps = prompts(12, seed=int(temperature * 10))
+    # One long request first, so the others join a running batch mid-decode.
+    first = {"input_ids": ps[0], "return_logprob": True,
+             "sampling_params": {"max_new_tokens": 48, "temperature": temperature, "ignore_eos": True}}
+    with ThreadPoolExecutor(12) as pool:
+        futs = [pool.submit(gen, engine, first)]
+        time.sleep(0.05)  # let it start decoding (correctness does not depend on timing)
+        for i, p in enumerate(ps[1:]):
+            futs.append(pool.submit(gen, engine, {
+                "input_ids": p, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 4 + 3 * i, "temperature": temperature,
+                                    "ignore_eos": True}}))
+        outs = [f.result() for f in futs]
+    for p, out in zip(ps, outs):
+        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        want = fresh_logprobs(ref_model, p, out["output_ids"], temperature)
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+        if temperature == 0:  # greedy tokens are the fresh forward's argmax
+            ids = torch.tensor([p + out["output_ids"]])
+            with torch.no_grad():
+                argmax = ref_model(ids).logits[0, len(p) - 1:-1].argmax(-1).tolist()
+            assert argmax == out["output_ids"]
+
+
+def test_seed_is_reproducible_and_n(engine):
+    payload = {"input_ids": [10, 20, 30], "sampling_params": {"max_new_tokens": 12, "seed": 7,
+                                                              "temperature": 1.0}}
+    a, b = gen(engine, payload), gen(engine, payload)
+    assert a["output_ids"] == b["output_ids"]
+    payload["sampling_params"]["seed"] = 8
+    c = gen(engine, payload)
+    assert c["output_ids"] != a["output_ids"]
+    many = gen(engine, {"input_ids": [10, 20, 30], "sampling_params": {"max_new_tokens": 3, "n": 3}})
+    assert isinstance(many, list) and len(many) == 3
+    batch = gen(engine, {"input_ids": [[1, 2], [3, 4, 5]], "sampling_params": {"max_new_tokens": 2}})
+    assert [o["meta_info"]["prompt_tokens"] for o in batch] == [2, 3]
+    topk = gen(engine, {"input_ids": [10, 20, 30], "sampling_params": {
+        "max_new_tokens": 5, "top_k": 1, "top_p": 0.5, "temperature": 1.0}})
+    greedy = gen(engine, {"input_ids": [10, 20, 30], "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0}})
+    assert topk["output_ids"] == greedy["output_ids"]
+
+
+def test_abort_returns_partial_tokens(engine):
+    long = {"input_ids": [5, 6, 7], "rid": "long-1",
+            "sampling_params": {"max_new_tokens": CTX - 10, "ignore_eos": True}}
+    with ThreadPoolExecutor(2) as pool:
+        fut = pool.submit(gen, engine, long)
+        deadline = time.monotonic() + 10
+        while engine.server_info()["num_running_reqs"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        requests.post(engine.url + "/abort_request", json={"rid": "long-1"}, timeout=10)
+        out = fut.result()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(out["output_ids"]) < CTX - 10
+    with ThreadPoolExecutor(3) as pool:
+        futs = [pool.submit(gen, engine, dict(long, rid=f"x{i}")) for i in range(3)]
+        deadline = time.monotonic() + 10
+        while engine.server_info()["num_running_reqs"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine.abort_all()
+        assert {f.result()["meta_info"]["finish_reason"]["type"] for f in futs} == {"abort"}
+
+
+@pytest.mark.parametrize("payload,needle", [
+    ({"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"text": "hi", "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"text": "hi", "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": "many"}}, "max_new_tokens"),
+    ({"text": "hi", "sampling_params": {"stop": 3}}, "stop"),
+    ({"input_ids": [1] * (CTX + 5)}, "context length"),
+    ({"input_ids": [1, 99999]}, "vocabulary"),
+    ({"input_ids": []}, "empty"),
+    ({}, "input_ids"),
+])
+def test_bad_requests_get_4xx_json(engine, payload, needle):
+    out = gen(engine, payload, status=400)
+    assert needle in out["error"]["message"]
+
+
+def test_bad_routes_and_json(engine):
+    r = requests.get(engine.url + "/no_such_route", timeout=10)
+    assert r.status_code == 404 and "unknown route" in r.json()["error"]["message"]
+    r = requests.post(engine.url + "/generate", data=b"{not json", timeout=10)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert requests.get(engine.url + "/health_generate", timeout=10).status_code == 200
+    info = requests.get(engine.url + "/get_model_info", timeout=10).json()
+    assert info["is_generation"] is True
+
+
+def test_chat_completions(engine):
+    r = requests.post(engine.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
+        "n": 2, "chat_template_kwargs": {"enable_thinking": False}}, timeout=30)
+    body = r.json()
+    assert r.status_code == 200, body
+    assert body["object"] == "chat.completion" and len(body["choices"]) == 2
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+
+
+def _get(engine, name):
+    return torch.tensor(requests.post(engine.url + "/get_weights_by_name",
+                                      json={"name": name, "truncate_size": 10 ** 6}, timeout=30).json())
+
+
+def test_update_weights_from_tensor_with_checksum(engine, ref_model):
+    name = "model.norm.weight"
+    old = _get(engine, name)
+    new = torch.full_like(old, 0.5)
+    payload = MultiprocessingSerializer.serialize([(name, new)], output_str=True)
+    r = requests.post(engine.url + "/update_weights_from_tensor", json={
+        "serialized_named_tensors": [payload], "load_format": None, "flush_cache": True,
+        "weight_version": "v-bad", "checksum": checksum([new]) + 1.0}, timeout=30)
+    assert r.status_code == 400 and "checksum" in r.json()["message"]
+    assert engine.weight_version() != "v-bad" and torch.equal(_get(engine, name), old)
+    engine.update_weights_from_tensor([(name, new)], version="v1", checksum=checksum([new]))
+    assert engine.weight_version() == "v1" and torch.equal(_get(engine, name), new)
+    out = gen(engine, {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}})
+    assert out["meta_info"]["weight_version"] == "v1"
+    # Unknown names / wrong shapes are rejected as a whole.
+    with pytest.raises(Exception, match="unknown parameter"):
+        engine.update_weights_from_tensor([("nope", new)], version="v2")
+    engine.update_weights_from_tensor([(name, old)], version="default")
+
+
+def test_update_weights_from_disk(engine, ref_model, tmp_path):
+    sd = {k: v.clone() for k, v in ref_model.state_dict().items()}
+    sd["model.norm.weight"].fill_(0.25)
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in sd.items() if k != "lm_head.weight"},
+              str(tmp_path / "model.safetensors"))
+    engine.update_weights_from_disk(str(tmp_path), version="disk-1")
+    assert engine.weight_version() == "disk-1"
+    assert torch.all(_get(engine, "model.norm.weight") == 0.25)
+    restored = {k: v for k, v in ref_model.state_dict().items()}
+    engine.update_weights_from_tensor(list(restored.items()), version="default",
+                                      checksum=checksum(restored.values()))
+
+
+def test_update_weights_from_distributed(engine, ref_model):
+    from rollout.engines import free_port
+
+    port = free_port()
+    results = {}
+    t = threading.Thread(target=lambda: results.update(init=engine.init_weights_update_group(
+        "127.0.0.1", port, 1, 2, "wu-test", "gloo")))
+    t.start()
+    pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "wu-test")
+    t.join(30)
+    assert results["init"]["success"]
+    names = ["model.norm.weight", "model.layers.0.mlp.up_proj.weight"]
+    sd = ref_model.state_dict()
+    tensors = [torch.randn_like(sd[n]) for n in names]
+
+    def send(version, sent_checksum):
+        out = {}
+        th = threading.Thread(target=lambda: out.update(r=_safe(lambda: engine.update_weights_from_distributed(
+            names, [t.dtype for t in tensors], [t.shape for t in tensors], "wu-test", version,
+            sent_checksum))))
+        th.start()
+        for tensor in tensors:
+            torch.distributed.broadcast(tensor, src=0, group=pg)
+        th.join(30)
+        return out["r"]
+
+    bad = send("d-bad", checksum(tensors) + 5)
+    assert isinstance(bad, Exception) and "checksum" in str(bad)
+    assert engine.weight_version() != "d-bad"
+    ok = send("d1", checksum(tensors))
+    assert ok["success"] and engine.weight_version() == "d1"
+    assert torch.equal(_get(engine, names[0]), tensors[0])
+    engine.update_weights_from_tensor([(n, sd[n]) for n in names], version="default")
+
+
+def _safe(fn):
+    try:
+        return fn()
+    except Exception as exc:
+        return exc
+
+
+def test_pause_continue_release_resume(engine, ref_model):
+    engine.pause_generation(mode="in_place")
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(gen, engine, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        time.sleep(0.3)  # negative check: a paused engine must not finish it
+        assert not fut.done()
+        engine.continue_generation()
+        assert fut.result()["meta_info"]["finish_reason"]["type"] == "length"
+    engine.release_memory()
+    engine.resume_memory()
+    # Resumed weights are allocated but empty until the trainer pushes weights.
+    r = requests.post(engine.url + "/generate", json={"input_ids": [1, 2]}, timeout=10)
+    assert r.status_code == 503 and "weights" in r.json()["error"]["message"]
+    sd = ref_model.state_dict()
+    engine.update_weights_from_tensor(list(sd.items()), version="after-resume")
+    out = gen(engine, {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    assert out["meta_info"]["weight_version"] == "after-resume"
+
+
+@pytest.mark.slow
+def test_api_key(tiny_model_path, tmp_path):
+    eng = EngineServer(HFLaunch(model_path=tiny_model_path, api_key="sekrit"), "hf-key", str(tmp_path))
+    eng.start()
+    try:
+        assert requests.get(eng.url + "/health", timeout=10).status_code == 200
+        r = requests.post(eng.url + "/generate", json={"input_ids": [1, 2]}, timeout=10)
+        assert r.status_code == 401
+        r = requests.get(eng.url + "/get_model_info", headers={"Authorization": "Bearer wrong"}, timeout=10)
+        assert r.status_code == 401
+        out = eng.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        assert len(out["output_ids"]) == 2
+    finally:
+        eng.shutdown()
+
+
+def test_multiturn_prefix_cache_matches_fresh_forward(engine, ref_model):
+    """Turn 2's prompt extends turn 1's sequence: its KV comes from the prefix cache, mixed
+    in one prefill with rows of other cached lengths, and log-probs stay exact."""
+    engine.flush_cache()
+    ps = prompts(6, lo=20, hi=70, seed=3)
+
+    def turn(batch, new_tokens):
+        with ThreadPoolExecutor(len(batch)) as pool:
+            return list(pool.map(lambda p: gen(engine, {
+                "input_ids": p, "return_logprob": True, "sampling_params": {
+                    "max_new_tokens": new_tokens, "temperature": 0.9, "ignore_eos": True}}), batch))
+
+    first = turn(ps, 5)
+    second_prompts = [p + o["output_ids"] + [7 + i, 8, 9] for i, (p, o) in enumerate(zip(ps, first))]
+    second = turn(second_prompts, 6)
+    for p, o1, p2, o2 in zip(ps, first, second_prompts, second):
+        assert o2["meta_info"]["cached_tokens"] == len(p) + len(o1["output_ids"]) - 1
+        got = torch.tensor([lp for lp, _, _ in o2["meta_info"]["output_token_logprobs"]])
+        want = fresh_logprobs(ref_model, p2, o2["output_ids"], 0.9)
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    # A weight update invalidates cached KV (it belongs to the old weights).
+    sd = ref_model.state_dict()
+    engine.update_weights_from_tensor([("model.norm.weight", sd["model.norm.weight"])], version="default")
+    third = turn([second_prompts[0] + second[0]["output_ids"] + [5]], 2)
+    assert third[0]["meta_info"]["cached_tokens"] == 0

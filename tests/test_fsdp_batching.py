@@ -1,0 +1,83 @@
+"""The backend-neutral batching plan and LR schedule (no model, no process group)."""
+
+import math
+
+import pytest
+import torch
+
+from train_batches import make_batch
+from trainer.backends.batching import (
+    balanced_partition, build_micro_batch, check_batch, micro_batches, minibatch_ranges,
+    plan_step, step_norms)
+from trainer.backends.schedule import lr_at
+
+
+def test_balanced_partition_is_deterministic_and_balanced():
+    costs = [10, 9, 8, 7, 3, 2, 1]
+    parts = balanced_partition(range(7), costs, 2)
+    loads = sorted(sum(costs[i] for i in p) for p in parts)
+    assert loads == [20, 20]
+    assert parts == balanced_partition(range(7), costs, 2)
+
+
+def test_micro_batches_respect_padded_token_budget():
+    lengths = [5, 50, 10, 12, 48]
+    mbs = micro_batches(range(5), lengths, 100)
+    assert mbs == [[0, 2, 3], [4, 1]]  # 3 x 12 <= 100 ; 2 x 50 <= 100
+    assert micro_batches([0, 1], [300, 5], 100) == [[1], [0]]  # too long: alone
+
+
+def test_plan_gives_every_rank_the_same_number_of_micro_batches():
+    batch = make_batch(num_groups=2, group_size=4, seed=1)
+    plans = [plan_step(batch, rank=r, world_size=3, global_batch_size=4, max_tokens=60)
+             for r in range(3)]
+    assert len({len(p) for p in plans}) == 1 and len(plans[0]) == 2  # two optimizer steps
+    for step in range(2):
+        assert len({len(p[step]) for p in plans}) == 1
+        owned = sorted(i for p in plans for mb in p[step] for i in mb)
+        assert owned == list(range(4 * step, 4 * step + 4))  # each sample exactly once
+
+
+def test_minibatch_ranges_must_divide():
+    assert minibatch_ranges(8, 4) == [range(0, 4), range(4, 8)]
+    assert minibatch_ranges(8, None) == [range(0, 8)]
+    with pytest.raises(ValueError, match="global_batch_size"):
+        minibatch_ranges(8, 3)
+
+
+def test_micro_batch_indices_point_at_response_tokens():
+    batch = make_batch(num_groups=1, group_size=3, seed=2)
+    mb = build_micro_batch(batch, [2, 0], pad_token_id=0)
+    flat_targets = [tok for i in (2, 0) for tok in batch.tokens[i][-batch.response_lengths[i]:]]
+    assert mb.targets.tolist() == flat_targets
+    assert torch.equal(mb.input_ids[mb.row_idx, mb.col_idx + 1], mb.targets)
+    assert mb.loss_mask.tolist() == [m for i in (2, 0) for m in batch.loss_masks[i]]
+    assert mb.attention_mask.sum().item() == len(batch.tokens[2]) + len(batch.tokens[0])
+    norms = step_norms(batch, range(3))
+    assert norms.num_tokens == sum(map(sum, batch.loss_masks)) and norms.num_seqs == 3
+
+
+def test_check_batch_names_the_bad_sample():
+    batch = make_batch(num_groups=1, group_size=2)
+    batch.loss_masks[1] = batch.loss_masks[1][:-1]
+    with pytest.raises(ValueError, match="sample 1"):
+        check_batch(batch)
+
+
+def test_lr_schedules():
+    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=2, total_steps=12)
+    assert [lr_at(s, schedule="constant", **kw) for s in (0, 1, 2, 11)] == [0.5, 1.0, 1.0, 1.0]
+    assert lr_at(7, schedule="linear", **kw) == pytest.approx(0.55)
+    cosine_mid = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2))
+    assert lr_at(7, schedule="cosine", **kw) == pytest.approx(cosine_mid)
+    assert lr_at(12, schedule="cosine", **kw) == pytest.approx(0.1)
+
+
+def test_samples_may_lack_rollout_log_probs():
+    batch = make_batch(num_groups=1, group_size=2, seed=4)
+    batch.rollout_log_probs[0] = []
+    check_batch(batch)
+    mb = build_micro_batch(batch, [0, 1], pad_token_id=0)
+    r0 = batch.response_lengths[0]
+    assert mb.rollout_mask.tolist() == [0.0] * r0 + [1.0] * batch.response_lengths[1]
+    assert step_norms(batch, range(2)).num_rollout_tokens == sum(batch.loss_masks[1])

@@ -1,0 +1,153 @@
+"""The env driver and the HTTP client against real CPU engines behind the real router."""
+
+import asyncio
+
+import pytest
+
+from rollout.args import RolloutArgs
+from rollout.generate import (EngineError, EnginePolicy, Episode, GenerateState,
+                              close_session, generate, post, run_episode)
+from rollout.sample import Sample
+from rollout_engines import config, engines
+from rollout_plugins import EndlessEnv
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def router(ray_local, tiny_model_path):
+    with engines(tiny_model_path) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def state(router):
+    return GenerateState(RolloutArgs(config(), router))
+
+
+class Recorder:
+    """The real engine policy, remembering what the engine returned per turn."""
+
+    def __init__(self, policy):
+        self.policy, self.turns = policy, []
+        self.weight_version = None
+
+    async def act(self, token_ids, max_new_tokens):
+        out = await self.policy.act(list(token_ids), max_new_tokens)
+        self.turns.append(out)
+        return out
+
+
+def prompt_sample(state):
+    text, ids = state.renderer.prompt_ids([{"role": "user", "content": "Say anything."}])
+    return Sample(prompt=text, tokens=ids, index=0, group_index=0)
+
+
+def test_multi_turn_masks_are_exact_token_by_token(state):
+    tok, r = state.tokenizer, state.renderer
+    eos = tok.eos_token_id
+    # Many stop tokens: turns end after a few tokens, on eos or on another stop token
+    # (then the renderer must close the turn itself).
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 16,
+              "stop_token_ids": list(range(0, len(tok), 3))}
+
+    async def go():
+        results = []
+        for k in range(6):
+            s = prompt_sample(state)
+            rec = Recorder(EnginePolicy(state, params))
+            out = await run_episode(Episode(s, EndlessEnv(max_turns=4)), rec, r, max_turns=4,
+                                    max_context_len=1024, max_response_len=16)
+            results.append((s.tokens[:out.prompt_length], out, rec.turns))
+        await close_session()
+        return results
+
+    closed_by_renderer = 0
+    for prompt, s, turns in asyncio.run(go()):
+        exp_tokens, exp_mask, exp_lp = list(prompt), [], []
+        for i, (ids, lps, finish) in enumerate(turns):
+            assert finish == "stop" and len(ids) == len(lps) >= 1
+            exp_tokens += ids
+            exp_mask += [1] * len(ids)
+            exp_lp += lps
+            if i < len(turns) - 1:
+                closed = ids[-1] == eos
+                closed_by_renderer += not closed
+                obs = r.observation_ids("<feedback>higher</feedback>", closed)
+                exp_tokens += obs
+                exp_mask += [0] * len(obs)
+                exp_lp += [0.0] * len(obs)
+        assert s.tokens == exp_tokens
+        assert s.loss_mask == exp_mask
+        assert s.rollout_log_probs == exp_lp
+        assert all(lp < 0 for lp, m in zip(s.rollout_log_probs, s.loss_mask) if m)
+        assert len(turns) == 4 and s.status == Sample.Status.TRUNCATED  # turn budget
+        assert s.metadata["num_turns"] == 4 and s.reward == pytest.approx(1.0)
+        assert tok.decode(s.response_tokens).count("<|im_start|>user\n<feedback>higher") == 3
+    assert closed_by_renderer > 0  # the close-the-turn path ran too
+
+
+def test_length_stop_truncates_and_still_scores(state):
+    params = dict(state.sampling_params, max_new_tokens=2, ignore_eos=True)
+
+    async def go():
+        s = prompt_sample(state)
+        env = EndlessEnv(max_turns=4)
+        out = await run_episode(Episode(s, env), EnginePolicy(state, params), state.renderer,
+                                max_turns=4, max_context_len=1024, max_response_len=2)
+        await close_session()
+        return out
+    s = asyncio.run(go())
+    assert s.status == Sample.Status.TRUNCATED and s.response_length == 2
+    assert s.metadata["turns_taken"] == 1 and s.loss_mask == [1, 1]
+
+
+def test_abort_mid_turn_then_resume_keeps_partial_tokens(state, router):
+    params = dict(state.sampling_params, ignore_eos=True)
+
+    async def go():
+        s = prompt_sample(state)
+        ep = Episode(s)
+        policy = EnginePolicy(state, params)
+        task = asyncio.create_task(run_episode(ep, policy, state.renderer, max_turns=1,
+                                               max_context_len=1024, max_response_len=300))
+        await asyncio.sleep(0.4)
+        workers = await post(f"{router}/workers", method="GET")
+        workers = workers.get("workers", workers) if isinstance(workers, dict) else workers
+        for w in workers:
+            await post(f"{w['url']}/abort_request", {"abort_all": True})
+        first = await task
+        partial = (first.status, first.response_length, list(first.tokens))
+        again = await run_episode(ep, policy, state.renderer, max_turns=1,
+                                  max_context_len=1024, max_response_len=300)
+        await close_session()
+        return partial, again
+    (status, k, tokens), s = asyncio.run(go())
+    assert status == Sample.Status.ABORTED and k < 300
+    assert s.tokens[:len(tokens)] == tokens  # kept verbatim, continued after
+    assert s.response_length == 300 and s.status == Sample.Status.TRUNCATED
+    assert s.loss_mask == [1] * 300 and len(s.rollout_log_probs) == 300
+
+
+def test_default_generate_is_token_in_token_out(state):
+    args = state.args
+
+    async def go():
+        s = Sample(prompt=state.renderer.prompt_ids([{"role": "user", "content": "hi"}])[0])
+        out = await generate(args, s, dict(state.sampling_params))
+        await close_session()
+        return out
+    s = asyncio.run(go())
+    assert 1 <= s.response_length <= 8 and s.loss_mask == [1] * s.response_length
+    assert s.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
+    assert GenerateState(args) is state  # cached per process
+
+
+def test_post_errors_are_clear(router):
+    async def go():
+        with pytest.raises(EngineError, match="HTTP 4"):
+            await post(f"{router}/generate", {"input_ids": "nope"})
+        with pytest.raises(EngineError, match="unreachable after 2 attempts"):
+            await post("http://127.0.0.1:9/generate", {}, max_retries=1)
+        await close_session()
+    asyncio.run(go())

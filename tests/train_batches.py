@@ -1,0 +1,64 @@
+"""Test helpers for the training side: a config and a RolloutBatch-shaped batch.
+
+The real RolloutBatch lives in rollout/sample.py; training accepts any object with its
+fields, so tests build this small stand-in instead of depending on the rollout package.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from types import SimpleNamespace
+
+from trainer.config import build_config
+
+
+def Batch(tokens, response_lengths, loss_masks, rollout_log_probs, rewards, group_ids):
+    """A batch object: a SimpleNamespace pickles by value, so Ray workers need no import
+    of this test module to read it."""
+    return SimpleNamespace(tokens=tokens, response_lengths=response_lengths,
+                           loss_masks=loss_masks, rollout_log_probs=rollout_log_probs,
+                           rewards=rewards, group_ids=group_ids, weight_versions=[],
+                           statuses=[], metrics={})
+
+
+def make_batch(*, num_groups: int = 4, group_size: int = 4, prompt_len: tuple[int, int] = (10, 20),
+               response_len: tuple[int, int] = (5, 30), vocab: int = 400, seed: int = 0,
+               env_tokens: bool = True) -> SimpleNamespace:
+    rng = random.Random(seed)
+    b = Batch([], [], [], [], [], [])
+    for g in range(num_groups):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(*prompt_len))]
+        for _ in range(group_size):
+            r = rng.randint(*response_len)
+            b.tokens.append(prompt + [rng.randrange(vocab) for _ in range(r)])
+            b.response_lengths.append(r)
+            mask = [1] * r
+            if env_tokens and r > 6:  # a few environment tokens in the middle
+                mask[2:4] = [0, 0]
+            b.loss_masks.append(mask)
+            b.rollout_log_probs.append([-6.0 + rng.random() * 0.1 if m else 0.0 for m in mask])
+            b.rewards.append(float(rng.random() < 0.5))
+            b.group_ids.append(g)
+            b.weight_versions.append(0)
+            b.statuses.append("completed")
+    return b
+
+
+def make_config(**overrides):
+    """A CPU config; overrides as {"train": {...}, "algo": {...}}."""
+    cache = os.environ.get("HOMEGYM_CACHE")
+    base = {"cluster": {"device": "cpu"}, "rollout": {"num_engines": 1, "rollout_batch_size": 4,
+                                                       "n_samples_per_prompt": 4},
+            "train": {"lr": 1e-3, "ranks_per_node": 1},
+            "model": {"cache_dir": os.path.join(cache, "models") if cache else None}}
+    for section, values in overrides.items():
+        base.setdefault(section, {}).update(values)
+    return build_config(base)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,154 @@
+"""Per-token policy losses, KL penalties, importance weights and loss aggregation.
+
+Pure tensor functions over *flat* token tensors (every response token of a micro-batch
+concatenated; ``seq_idx[k]`` is the sample of token k), so that no function here loops
+over samples in Python and both training backends share one implementation.
+
+Aggregation divides by *global* counts (tokens or samples of the whole optimizer step,
+over every micro-batch and data-parallel rank) passed in as :class:`LossNorms`: summing
+the per-micro-batch losses then gives exactly the loss of the whole step, so gradient
+accumulation and 1-vs-N ranks agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from trainer.algo.advantages import segment_sum
+
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+
+
+@dataclass(frozen=True)
+class LossNorms:
+    """Global denominators of one optimizer step.
+
+    num_tokens: model tokens (loss_mask 1) in the step; num_seqs: samples in the step;
+    norm_len: the constant length Dr.GRPO divides token sums by (the step's longest
+    response), so the loss does not favour short or long answers; num_rollout_tokens:
+    model tokens whose sample carries engine log-probs (for the mismatch metric; None =
+    all of them).
+    """
+
+    num_tokens: int
+    num_seqs: int
+    norm_len: int
+    num_rollout_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if min(self.num_tokens, self.num_seqs, self.norm_len) < 0:
+            raise ValueError(f"LossNorms must be non-negative: {self}")
+
+
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) per row of ``logits`` [N, V]; computed in float32 for stability."""
+    logits = logits.float()
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax of each row of ``logits`` [N, V]."""
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1/k2/k3).
+
+    k1 = log r (unbiased, high variance), k2 = (log r)^2 / 2, k3 = (r' - 1) - log r' with
+    r' = ref/pi (unbiased, always >= 0). low_var_kl is k3 with the log-ratio and the result
+    clamped as in verl, so one token with a huge ratio cannot blow up the step.
+    """
+    log_ratio = logp - ref_logp
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind in ("k3", "low_var_kl"):
+        inv = -log_ratio
+        if kind == "low_var_kl":
+            inv = inv.clamp(-20.0, 20.0)
+        kl = inv.exp() - inv - 1.0
+        return kl.clamp(-10.0, 10.0) if kind == "low_var_kl" else kl
+    raise ValueError(f"algo.kl_type: must be one of {', '.join(KL_TYPES)} (got {kind!r})")
+
+
+def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
+                  eps_low: float, eps_high: float, dual_clip_c: float | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate per token, with clip-higher and optional dual clip.
+
+    loss = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A); with dual clip (c > 1) a
+    negative-advantage token's loss is further capped at -c A, so a huge ratio on a bad
+    token cannot dominate. Returns (loss, clipped) with clipped a float 0/1 per token.
+    """
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    was_clipped = (clipped > unclipped).float()
+    if dual_clip_c is not None:
+        cap = -advantages * dual_clip_c
+        dual = torch.minimum(loss, cap)
+        neg = advantages < 0
+        was_clipped = torch.where(neg & (loss > cap), torch.ones_like(was_clipped), was_clipped)
+        loss = torch.where(neg, dual, loss)
+    return loss, was_clipped
+
+
+def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+              loss_mask: torch.Tensor, seq_idx: torch.Tensor, num_seqs: int, *,
+              eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (token form): sequence ratio s_i = exp(mean_t(logp - old_logp)) over model tokens.
+
+    Each token uses sg[s_i] * exp(logp_t - sg[logp_t]) whose value is s_i and whose
+    gradient is s_i * grad logp_t, i.e. the geometric-mean sequence ratio of the GSPO
+    paper, clipped per sequence. Returns per-token (loss, clipped) like ppo_clip_loss.
+    """
+    mask = loss_mask.to(logp.dtype)
+    counts = segment_sum(mask, seq_idx, num_seqs).clamp(min=1)
+    mean_log_ratio = segment_sum((logp - old_logp) * mask, seq_idx, num_seqs) / counts
+    seq_ratio = mean_log_ratio.exp().detach()[seq_idx]
+    ratio = seq_ratio * torch.exp(logp - logp.detach())
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    return loss, (clipped > unclipped).float()
+
+
+def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, clip: float) -> torch.Tensor:
+    """Truncated importance weights min(pi_old / pi_rollout, clip), no gradient.
+
+    The engine samples with its own numerics (and, async, an older policy); this corrects
+    the policy gradient for that mismatch while bounding the variance.
+    """
+    return torch.exp(old_logp - rollout_logp).clamp(max=clip).detach()
+
+
+def aggregate(values: torch.Tensor, loss_mask: torch.Tensor, seq_idx: torch.Tensor,
+              num_seqs: int, *, mode: str, norms: LossNorms) -> torch.Tensor:
+    """Reduce per-token values to this micro-batch's share of the step loss.
+
+    token_mean: sum over all model tokens / global tokens (long answers weigh more).
+    seq_mean_token_mean: per-sample token mean, then / global samples (GRPO paper).
+    seq_mean_token_sum: per-sample token sum / global samples.
+    seq_mean_token_sum_norm: token sum / (global samples x norm_len) (Dr.GRPO).
+    """
+    mask = loss_mask.to(values.dtype)
+    masked = values * mask
+    if mode == "token_mean":
+        return masked.sum() / max(norms.num_tokens, 1)
+    if mode == "seq_mean_token_mean":
+        counts = segment_sum(mask, seq_idx, num_seqs).clamp(min=1)
+        return (segment_sum(masked, seq_idx, num_seqs) / counts).sum() / max(norms.num_seqs, 1)
+    if mode == "seq_mean_token_sum":
+        return masked.sum() / max(norms.num_seqs, 1)
+    if mode == "seq_mean_token_sum_norm":
+        return masked.sum() / max(norms.num_seqs * norms.norm_len, 1)
+    raise ValueError(f"algo.loss_agg: must be one of {', '.join(LOSS_AGGS)} (got {mode!r})")

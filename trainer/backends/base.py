@@ -1,0 +1,63 @@
+"""The training backend protocol: one instance per training rank.
+
+A backend owns the model replica/shard, the optimizer and the reference model of its
+rank; the process group is already initialised by the caller (``TrainActor``). Every
+method is called on all ranks with the same arguments, because the implementations run
+collectives inside; results that matter are identical on every rank (metrics are
+all-reduced, log-probs all-gathered), except ``named_weight_buckets`` which yields the
+gathered tensors on every rank (callers keep rank 0's).
+
+Shared, backend-neutral pieces: ``trainer.backends.batching`` (sharding, micro-batches),
+``trainer.algo.objective`` (the loss of a micro-batch), ``trainer.backends.schedule`` (LR).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Protocol, runtime_checkable
+
+import torch
+
+from trainer.backends.batching import BatchLike
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+@runtime_checkable
+class TrainBackend(Protocol):
+    def init(self, config, rank: int, world_size: int) -> None:
+        """Build model, optimizer and (if algo.kl_coef > 0) the frozen reference."""
+
+    def log_probs(self, batch: BatchLike) -> list[torch.Tensor]:
+        """Per sample, the current policy's log-probs of its response tokens."""
+
+    def train_step(self, batch: BatchLike) -> dict[str, float]:
+        """One RL step on the whole batch (one or more optimizer steps); returns metrics."""
+
+    def sft_step(self, batch: BatchLike) -> dict[str, float]:
+        """One supervised optimizer step: mean NLL over loss_mask tokens."""
+
+    def named_weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+        """Full (gathered) tensors under their Hugging Face names, in buckets of ~bytes."""
+
+    def save(self, path: str) -> None: ...
+
+    def load(self, path: str) -> None: ...
+
+    def offload(self) -> None: ...
+
+    def onload(self) -> None: ...
+
+
+def make_backend(name: str) -> TrainBackend:
+    """The backend named by ``train.backend``."""
+    if name == "fsdp":
+        from trainer.backends.fsdp import FSDPBackend
+
+        return FSDPBackend()
+    if name == "megatron":
+        try:
+            from trainer.backends.megatron import MegatronBackend  # type: ignore[import-not-found]
+        except ImportError as e:
+            raise ValueError("train.backend=megatron is not available in this build") from e
+        return MegatronBackend()
+    raise ValueError(f"train.backend: must be fsdp or megatron (got {name!r})")

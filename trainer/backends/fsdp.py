@@ -1,0 +1,375 @@
+"""FSDP2 training backend: ``fully_shard`` over a transformers causal LM.
+
+Verified on CPU with gloo (torch 2.13): fully_shard per decoder layer + root, forward/
+backward, ``clip_grad_norm_`` over DTensor grads, ``full_tensor()`` gathering, DCP
+save/load and ``module.to()`` all work, so the CPU path is the same code as the GPU one.
+
+What is FSDP-specific lives here: sharding, running the model on micro-batches, gradient
+sync, checkpoint format, offload. Loss, advantages and batching are shared
+(``trainer.algo``, ``trainer.backends.batching``) so a Megatron backend computes the
+same objective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from trainer.algo.advantages import masked_whiten, reinforce_pp_returns, sequence_advantages
+from trainer.algo.losses import entropy_from_logits, kl_penalty, token_log_probs
+from trainer.algo.objective import TokenInputs, policy_objective, sft_objective
+from trainer.backends.base import NamedTensors
+from trainer.backends.batching import (
+    BatchLike, MicroBatch, build_micro_batch, check_batch, minibatch_ranges, plan_step,
+    step_norms)
+from trainer.backends.schedule import lr_at
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class FSDPBackend:
+    """One training rank. Call ``init`` after ``torch.distributed`` is initialised."""
+
+    def init(self, config, rank: int, world_size: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        torch.set_num_threads(config.cluster.torch_threads)
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        if config.cluster.device == "cuda":
+            torch.cuda.set_device(0)  # Ray exposes this rank's GPU as device 0
+            self.device = torch.device("cuda", 0)
+        else:
+            self.device = torch.device("cpu")
+        torch.manual_seed(config.train.seed)
+        self.mesh = init_device_mesh(self.device.type, (world_size,))
+        self.model = self._build_model(trainable=True)
+        self.ref_model = self._build_model(trainable=False) if config.algo.kl_coef > 0 else None
+        train = config.train
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=train.lr,
+            betas=(train.adam_beta1, train.adam_beta2), weight_decay=train.weight_decay)
+        self.optimizer_steps = 0  # RL optimizer steps (drives the LR schedule)
+        self.sft_steps = 0
+        self.pad_token_id = self.model.config.pad_token_id or 0
+        samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
+        per_rollout = samples // (train.global_batch_size or samples)
+        self.total_optimizer_steps = max(train.num_steps * per_rollout, 1)
+
+    def _build_model(self, *, trainable: bool) -> torch.nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from transformers import AutoModelForCausalLM
+
+        from trainer.models import resolve_model_path
+
+        cfg = self.config.model
+        path = resolve_model_path(cfg.path, cfg.cache_dir)
+        dtype = _DTYPES[cfg.dtype]
+        # Master weights stay fp32 (AdamW on bf16 weights loses small updates); a lower
+        # model.dtype becomes FSDP's compute dtype. The reference model never steps.
+        load_dtype = torch.float32 if trainable else dtype
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=load_dtype, attn_implementation=cfg.attn_implementation)
+        model.config.use_cache = False
+        if self.config.train.gradient_checkpointing and trainable:
+            model.gradient_checkpointing_enable()
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        layers = getattr(getattr(model, "model", model), "layers", [])
+        for layer in layers:
+            fully_shard(layer, mesh=self.mesh, mp_policy=mp)
+        fully_shard(model, mesh=self.mesh, mp_policy=mp)
+        model.to(self.device)
+        if not trainable:
+            model.eval()
+            model.requires_grad_(False)
+        return model
+
+    # ----------------------------------------------------------------- forward passes
+    def _forward(self, model: torch.nn.Module, mb: MicroBatch, *, with_entropy: bool,
+                 entropy_grad: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Flat log-probs (and entropies) of mb's response tokens."""
+        mb = mb.to(self.device)
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                       use_cache=False).logits
+        # Only the response positions go through log-softmax (prompt logits are unused).
+        selected = logits[mb.row_idx, mb.col_idx]
+        logp = token_log_probs(selected, mb.targets)
+        entropy = None
+        if with_entropy:
+            ctx = contextlib.nullcontext() if entropy_grad else torch.no_grad()
+            with ctx:
+                entropy = entropy_from_logits(selected)
+        return logp, entropy
+
+    @torch.no_grad()
+    def _no_grad_log_probs(self, model, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        return [self._forward(model, mb, with_entropy=False)[0] for mb in mbs]
+
+    def log_probs(self, batch: BatchLike) -> list[torch.Tensor]:
+        check_batch(batch)
+        plan = plan_step(batch, rank=self.rank, world_size=self.world_size,
+                         global_batch_size=None,
+                         max_tokens=self.config.train.max_tokens_per_micro_batch)[0]
+        mbs = [build_micro_batch(batch, ids, pad_token_id=self.pad_token_id) for ids in plan]
+        self.model.eval()
+        local: dict[int, torch.Tensor] = {}
+        for mb, lp in zip(mbs, self._no_grad_log_probs(self.model, mbs)):
+            lp = lp.float().cpu()
+            for j, sid in enumerate(mb.sample_ids):
+                local[sid] = lp[mb.seq_idx.cpu() == j]
+        gathered: list[dict[int, torch.Tensor]] = [None] * self.world_size  # type: ignore
+        dist.all_gather_object(gathered, local)
+        merged = {k: v for part in gathered for k, v in part.items()}
+        return [merged[i] for i in range(len(batch.tokens))]
+
+    # ----------------------------------------------------------------- training
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _optimizer_step(self) -> float:
+        """Clip, step, zero; returns the global grad norm (before clipping)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.config.train.grad_clip or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def _backward(self, loss: torch.Tensor, *, last: bool) -> None:
+        # FSDP averages gradients over ranks; the loss is already normalised by global
+        # counts, so scale by world_size to get the SUM that makes N ranks == 1 rank.
+        # Reduce-scatter only after the last micro-batch of the optimizer step.
+        self.model.set_requires_gradient_sync(last)
+        (loss * self.world_size).backward()
+
+    def _all_reduce_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        keys = sorted(sums)
+        if not keys:
+            return {}
+        flat = torch.stack([sums[k].detach().float().reshape(()) for k in keys]).to(self.device)
+        dist.all_reduce(flat)
+        return {k: float(v) for k, v in zip(keys, flat.cpu())}
+
+    def train_step(self, batch: BatchLike) -> dict[str, float]:
+        """RL update on the whole rollout batch (``global_batch_size`` samples per step)."""
+        start = time.perf_counter()
+        check_batch(batch)
+        algo, train = self.config.algo, self.config.train
+        if algo.policy_loss == "sft":
+            return self.sft_step(batch)
+        ranges = minibatch_ranges(len(batch.tokens), train.global_batch_size)
+        plan = plan_step(batch, rank=self.rank, world_size=self.world_size,
+                         global_batch_size=train.global_batch_size,
+                         max_tokens=train.max_tokens_per_micro_batch)
+        mbs = [[build_micro_batch(batch, ids, pad_token_id=self.pad_token_id) for ids in step]
+               for step in plan]
+        flat_mbs = [mb for step in mbs for mb in step]
+
+        # Old log-probs come from a forward before any update when there are several
+        # optimizer steps per rollout; with one step, logp.detach() is exact and free.
+        self.model.eval()
+        ref = (self._no_grad_log_probs(self.ref_model, flat_mbs)
+               if self.ref_model is not None else None)
+        kl_in_reward = algo.advantage_estimator == "reinforce_pp" and ref is not None
+        pre = (self._no_grad_log_probs(self.model, flat_mbs)
+               if len(ranges) > 1 or kl_in_reward else None)
+        old = pre if len(ranges) > 1 else None
+        advantages = self._advantages(batch, flat_mbs, pre, ref)
+
+        self.model.train()
+        sums: dict[str, torch.Tensor] = {}
+        grad_norms, lrs = [], []
+        k = 0
+        for step_range, step_mbs in zip(ranges, mbs):
+            norms = step_norms(batch, step_range)
+            lr = lr_at(self.optimizer_steps, lr=train.lr, min_lr=train.min_lr,
+                       schedule=train.lr_schedule, warmup_steps=train.warmup_steps,
+                       total_steps=self.total_optimizer_steps)
+            self._set_lr(lr)
+            for j, mb in enumerate(step_mbs):
+                logp, entropy = self._forward(self.model, mb, with_entropy=True,
+                                              entropy_grad=algo.entropy_coef > 0)
+                inputs = TokenInputs(
+                    loss_mask=mb.loss_mask.to(self.device), seq_idx=mb.seq_idx.to(self.device),
+                    num_seqs=mb.num_seqs, advantages=advantages[k],
+                    old_log_probs=old[k] if old is not None else None,
+                    rollout_log_probs=mb.rollout_log_probs.to(self.device),
+                    rollout_mask=mb.rollout_mask.to(self.device),
+                    ref_log_probs=ref[k] if ref is not None else None)
+                loss, metrics = policy_objective(algo, inputs, logp, entropy, norms)
+                if mb.num_seqs == 0:  # padding micro-batch: run for the collectives only
+                    loss = logp.sum() * 0.0
+                    metrics = {}
+                self._backward(loss, last=j == len(step_mbs) - 1)
+                for name, value in metrics.items():
+                    sums[name] = sums.get(name, 0.0) + value
+                k += 1
+            grad_norms.append(self._optimizer_step())
+            lrs.append(lr)
+            self.optimizer_steps += 1
+        # Each contribution was normalised by its optimizer step's global counts, so the
+        # all-reduced sum over steps divided by the step count is the mean per step.
+        out = {k: v / len(ranges) for k, v in self._all_reduce_metrics(sums).items()}
+        out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["train/lr"] = lrs[-1]
+        out["train/optimizer_steps"] = float(len(ranges))
+        out["perf/train_time"] = time.perf_counter() - start
+        return out
+
+    def _advantages(self, batch: BatchLike, mbs: list[MicroBatch],
+                    pre: Optional[list[torch.Tensor]],
+                    ref: Optional[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Flat per-token advantages of each micro-batch of this rank."""
+        algo = self.config.algo
+        rewards = torch.tensor(batch.rewards, dtype=torch.float32)
+        if algo.advantage_estimator != "reinforce_pp":
+            # Every rank sees the whole batch, so group statistics need no communication.
+            seq_adv = sequence_advantages(algo.advantage_estimator, rewards,
+                                          torch.tensor(batch.group_ids))
+            return [seq_adv[mb.sample_ids][mb.seq_idx].to(self.device) if mb.num_seqs
+                    else torch.zeros(1, device=self.device) for mb in mbs]
+        returns = []
+        for k, mb in enumerate(mbs):
+            if mb.num_seqs == 0:
+                returns.append(torch.zeros(1, device=self.device))
+                continue
+            kl = None
+            if ref is not None:
+                # KL of the pre-update policy against the reference, per token.
+                assert pre is not None
+                kl = kl_penalty(pre[k], ref[k], algo.kl_type)
+            returns.append(reinforce_pp_returns(
+                rewards[mb.sample_ids].to(self.device), mb.loss_mask.to(self.device),
+                mb.seq_idx.to(self.device), kl=kl, kl_coef=algo.kl_coef, gamma=algo.gamma))
+        # Whiten with moments over every rank's tokens so all ranks agree.
+        moments = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for r, mb in zip(returns, mbs):
+            if mb.num_seqs:
+                m, r64 = mb.loss_mask.to(self.device).double(), r.double()
+                moments += torch.stack([(r64 * m).sum(), (r64 * r64 * m).sum(), m.sum()])
+        dist.all_reduce(moments)
+        n = moments[2].clamp(min=1)
+        mean = moments[0] / n
+        std = (moments[1] / n - mean * mean).clamp(min=0).sqrt()
+        return [masked_whiten(r, mb.loss_mask.to(self.device), mean=mean.float(), std=std.float())
+                if mb.num_seqs else r for r, mb in zip(returns, mbs)]
+
+    def sft_step(self, batch: BatchLike) -> dict[str, float]:
+        """One supervised optimizer step at ``warmup.lr`` (the RL LR schedule is untouched)."""
+        start = time.perf_counter()
+        check_batch(batch)
+        plan = plan_step(batch, rank=self.rank, world_size=self.world_size,
+                         global_batch_size=None,
+                         max_tokens=self.config.train.max_tokens_per_micro_batch)[0]
+        norms = step_norms(batch, range(len(batch.tokens)))
+        self._set_lr(self.config.warmup.lr)
+        self.model.train()
+        sums: dict[str, torch.Tensor] = {}
+        for j, ids in enumerate(plan):
+            mb = build_micro_batch(batch, ids, pad_token_id=self.pad_token_id)
+            logp, _ = self._forward(self.model, mb, with_entropy=False)
+            loss, metrics = sft_objective(logp, mb.loss_mask.to(self.device), norms)
+            if mb.num_seqs == 0:
+                loss, metrics = logp.sum() * 0.0, {}
+            self._backward(loss, last=j == len(plan) - 1)
+            for name, value in metrics.items():
+                sums[name] = sums.get(name, 0.0) + value
+        grad_norm = self._optimizer_step()
+        self.sft_steps += 1
+        out = self._all_reduce_metrics(sums)
+        out.update({"train/grad_norm": grad_norm, "train/lr": self.config.warmup.lr,
+                    "perf/train_time": time.perf_counter() - start})
+        return out
+
+    # ----------------------------------------------------------------- weights
+    def named_weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+        """Gathered full tensors under HF names, ~bucket_bytes per bucket (CPU tensors).
+
+        Collective: every rank must drain the iterator. Tied weights (lm_head sharing the
+        embedding) appear once, under the name the HF checkpoint stores.
+        """
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0 (got {bucket_bytes})")
+        # named_parameters() lists a shared parameter once, under its first name.
+        unique = {n for n, _ in self.model.named_parameters()}
+        tied = {n for n, _ in self.model.named_parameters(remove_duplicate=False)} - unique
+        bucket: NamedTensors = []
+        size = 0
+        for name, value in self.model.state_dict().items():
+            if name in tied:
+                continue
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            full = full.detach().to("cpu", copy=True)
+            nbytes = full.numel() * full.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, full))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    # ----------------------------------------------------------------- checkpoints
+    def save(self, path: str) -> None:
+        """Sharded DCP checkpoint of model + optimizer, plus per-rank RNG and counters."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        os.makedirs(path, exist_ok=True)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
+        extra = {"optimizer_steps": self.optimizer_steps, "sft_steps": self.sft_steps,
+                 "cpu_rng": torch.get_rng_state(),
+                 "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
+        torch.save(extra, os.path.join(path, f"rank{self.rank}.pt"))
+        dist.barrier()
+
+    def load(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        if not os.path.isdir(os.path.join(path, "dcp")):
+            raise ValueError(f"{path!r} is not an FSDP checkpoint directory (no dcp/)")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        extra = torch.load(os.path.join(path, f"rank{self.rank}.pt"), weights_only=False)
+        self.optimizer_steps, self.sft_steps = extra["optimizer_steps"], extra["sft_steps"]
+        torch.set_rng_state(extra["cpu_rng"])
+        if extra["cuda_rng"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(extra["cuda_rng"])
+
+    # ----------------------------------------------------------------- memory
+    def offload(self) -> None:
+        """GPU: move parameters, grads and optimizer state to host memory so colocated
+        engines get the GPU. CPU: nothing to free, a no-op."""
+        if self.device.type != "cuda":
+            return
+        self._move("cpu")
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if self.device.type != "cuda":
+            return
+        self._move(self.device)
+
+    def _move(self, device) -> None:
+        for model in (self.model, self.ref_model):
+            if model is not None:
+                model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.to(device, non_blocking=True)
+        if device == "cpu":
+            torch.cuda.synchronize()

@@ -1,0 +1,175 @@
+"""The training ranks: ``TrainActor`` Ray actors forming one torch.distributed group.
+
+``TrainGroup`` starts ``train.world_size`` actors on the bundles ``Placement`` hands out,
+lets rank 0 pick the rendezvous address, initialises the process group (gloo on CPU,
+NCCL on GPU) and a backend per rank, then fans every call out to all ranks (the
+backends run collectives, so all must take part) and returns rank 0's answer.
+
+The batch is put in the object store once and every rank reads the whole of it: each
+rank derives its own share (``trainer.backends.batching.plan_step``) and the global loss
+denominators from it, so no rank needs another rank's data.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Iterator, Optional
+
+import ray
+
+
+class TrainActor:
+    """One training rank (use through ``TrainGroup``; wrapped with ``ray.remote`` there)."""
+
+    def __init__(self, config, rank: int, world_size: int) -> None:
+        os.environ.setdefault("OMP_NUM_THREADS", str(config.cluster.torch_threads))
+        import torch
+
+        torch.set_num_threads(config.cluster.torch_threads)
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.backend = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's IP and a free port (asked of rank 0)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init(self, master_address: str, master_port: int) -> None:
+        import torch.distributed as dist
+
+        from trainer.backends.base import make_backend
+
+        backend = "nccl" if self.config.cluster.device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{master_address}:{master_port}",
+                                rank=self.rank, world_size=self.world_size,
+                                timeout=timedelta(minutes=30))
+        self.backend = make_backend(self.config.train.backend)
+        self.backend.init(self.config, self.rank, self.world_size)
+
+    def train_step(self, batch) -> dict[str, float]:
+        return self.backend.train_step(batch)
+
+    def sft_step(self, batch) -> dict[str, float]:
+        return self.backend.sft_step(batch)
+
+    def log_probs(self, batch) -> Optional[list]:
+        out = self.backend.log_probs(batch)
+        return out if self.rank == 0 else None
+
+    def named_weight_buckets(self, bucket_bytes: int) -> Optional[list]:
+        # Every rank drains the iterator (the gathers are collectives); rank 0 keeps it.
+        buckets = list(self.backend.named_weight_buckets(bucket_bytes))
+        return buckets if self.rank == 0 else None
+
+    def weight_bucket_stream(self, bucket_bytes: int) -> Iterator[list]:
+        """Streaming variant (a Ray generator): rank 0 yields bucket by bucket, the other
+        ranks take part in the gathers and yield nothing."""
+        for bucket in self.backend.named_weight_buckets(bucket_bytes):
+            if self.rank == 0:
+                yield bucket
+
+    def save(self, path: str) -> None:
+        self.backend.save(path)
+
+    def load(self, path: str) -> None:
+        self.backend.load(path)
+
+    def offload(self) -> None:
+        self.backend.offload()
+
+    def onload(self) -> None:
+        self.backend.onload()
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TrainGroup:
+    """``world_size`` training ranks behind one object; every method fans out to all.
+
+    ``placement`` is a ``trainer.placement.Placement``; without one the actors are
+    scheduled freely (tests, a single process slot per rank).
+    """
+
+    def __init__(self, config, placement=None) -> None:
+        self.config = config
+        self.world_size = config.train.world_size
+        actor_cls = ray.remote(TrainActor)
+        self.actors = []
+        for rank in range(self.world_size):
+            if placement is not None:
+                res = placement.train_resources()
+                options: dict[str, Any] = dict(
+                    num_cpus=res.num_cpus, num_gpus=res.num_gpus,
+                    scheduling_strategy=placement.train_strategy(rank))
+            else:
+                gpu = config.cluster.device == "cuda"
+                options = dict(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0)
+            env = {"OMP_NUM_THREADS": str(config.cluster.torch_threads)}
+            self.actors.append(actor_cls.options(
+                runtime_env={"env_vars": env}, **options).remote(config, rank, self.world_size))
+        address, port = ray.get(self.actors[0].rendezvous_address.remote())
+        ray.get([a.init.remote(address, port) for a in self.actors])
+
+    def _all(self, method: str, *args) -> list:
+        return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+
+    def _with_batch(self, method: str, batch) -> Any:
+        ref = ray.put(batch)  # one copy in the object store, read by every rank
+        return self._all(method, ref)[0]
+
+    def train_step(self, batch) -> dict[str, float]:
+        """RL update on a rollout batch; metrics are global (all-reduced over ranks)."""
+        return self._with_batch("train_step", batch)
+
+    def sft_step(self, batch) -> dict[str, float]:
+        """One supervised (warm-up) optimizer step."""
+        return self._with_batch("sft_step", batch)
+
+    def log_probs(self, batch) -> list:
+        """Per sample, the current policy's response-token log-probs (CPU tensors)."""
+        return self._with_batch("log_probs", batch)
+
+    def named_weight_buckets(self, bucket_bytes: int) -> list[list[tuple[str, Any]]]:
+        """HF-named full tensors in buckets of ~bucket_bytes, gathered on rank 0."""
+        return self._all("named_weight_buckets", bucket_bytes)[0]
+
+    def iter_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+        """Like ``named_weight_buckets`` but one bucket at a time, so the driver holds only
+        one bucket of a large model (e.g. to push each to the engines as it arrives)."""
+        streams = [a.weight_bucket_stream.options(num_returns="streaming").remote(bucket_bytes)
+                   for a in self.actors]
+        try:
+            for ref in streams[0]:
+                yield ray.get(ref)
+        finally:
+            for stream in streams[1:]:  # other ranks finish their part of the gathers
+                for ref in stream:
+                    ray.get(ref)
+
+    def save(self, path: str) -> None:
+        self._all("save", path)
+
+    def load(self, path: str) -> None:
+        self._all("load", path)
+
+    def offload(self) -> None:
+        self._all("offload")
+
+    def onload(self) -> None:
+        self._all("onload")
+
+    def shutdown(self) -> None:
+        try:
+            self._all("shutdown")
+        finally:
+            for actor in self.actors:
+                ray.kill(actor)
+            self.actors = []
