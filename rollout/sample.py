@@ -136,6 +136,8 @@ class RolloutBatch:
     group_ids: list[int] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
     statuses: list[str] = field(default_factory=list)
+    # Each sample's label (the task), kept so a run can log and check its data order.
+    labels: list[Any] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -159,4 +161,5 @@ class RolloutBatch:
             batch.group_ids.append(-1 if s.group_index is None else int(s.group_index))
             batch.weight_versions.append(-1 if s.weight_version is None else int(s.weight_version))
             batch.statuses.append(Sample.Status(s.status).value)
+            batch.labels.append(s.label)
         return batch

@@ -124,6 +124,8 @@ def test_seed_is_reproducible_and_n(engine):
     assert isinstance(many, list) and len(many) == 3
     batch = gen(engine, {"input_ids": [[1, 2], [3, 4, 5]], "sampling_params": {"max_new_tokens": 2}})
     assert [o["meta_info"]["prompt_tokens"] for o in batch] == [2, 3]
+    texts = gen(engine, {"text": ["a", "hello hello"], "sampling_params": {"max_new_tokens": 2}})
+    assert len(texts) == 2 and texts[0]["meta_info"]["prompt_tokens"] < texts[1]["meta_info"]["prompt_tokens"]
     topk = gen(engine, {"input_ids": [10, 20, 30], "sampling_params": {
         "max_new_tokens": 5, "top_k": 1, "top_p": 0.5, "temperature": 1.0}})
     greedy = gen(engine, {"input_ids": [10, 20, 30], "sampling_params": {

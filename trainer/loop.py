@@ -121,6 +121,10 @@ class Driver:
         with timed(metrics, "perf/step_time"):
             with timed(metrics, "perf/rollout_time"):
                 batch = ray.get(rt.manager.generate.remote(step))
+            if len(batch) == 0:
+                # Every group was filtered out or failed: nothing to learn from this step.
+                log.warning("step %d: empty rollout batch, skipping the update", step)
+                return {**batch.metrics, "train/skipped": 1.0}
             rt.engines.release_memory()
             rt.train_group.onload()
             with timed(metrics, "perf/train_time"):
@@ -129,7 +133,16 @@ class Driver:
             rt.engines.resume_memory()
             metrics.update(self.sync.push(version=step))
         metrics.update(batch.metrics)
+        self._record_data_order(step, batch)
         return metrics
+
+    def _record_data_order(self, step: int, batch) -> None:
+        """One line per step: the group labels trained on, in order (resume checks use it)."""
+        groups: dict[int, Any] = {}
+        for gid, label in zip(batch.group_ids, batch.labels):
+            groups.setdefault(gid, label)
+        with open(self.run_dir / "data_order.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "labels": list(groups.values())}, default=str) + "\n")
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self) -> None:
@@ -167,7 +180,7 @@ class Driver:
             for row in result["rows"]:
                 f.write(json.dumps(row, default=str) + "\n")
         if self.logger is not None:
-            self.logger.log(step, {f"{name}/{k}": v for k, v in metrics.items()})
+            self.logger.log(step, {f"{name}/{k}": v for k, v in metrics.items()}, progress=False)
         line = " | ".join(f"{title} {fmt.format(metrics[f'eval/{key}'])}"
                           for key, title, fmt in EVAL_COLUMNS if f"eval/{key}" in metrics)
         print(f"eval [{name}] sampled: {line}", flush=True)

@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -57,8 +58,7 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.console = config.logging.console
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        self._start = time.perf_counter()
-        self._steps_timed = 0
+        self._step_times: list[float] = []
         self._wandb = None
         if config.logging.wandb_mode != "disabled":
             self._wandb = self._init_wandb(config)
@@ -67,7 +67,7 @@ class MetricsLogger:
         import wandb
 
         id_file = self.run_dir / "wandb_id.txt"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
         name = self.run_dir.name
         return wandb.init(
@@ -80,19 +80,21 @@ class MetricsLogger:
     def wandb_run_id(self) -> str | None:
         return self._wandb.id if self._wandb is not None else None
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], *, progress: bool = True) -> None:
         clean = {k: float(v) for k, v in metrics.items()
                  if isinstance(v, (int, float)) and math.isfinite(float(v))}
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
-        if self.console and step > 0:
-            self._steps_timed += 1
+        if "perf/step_time" in clean:
+            self._step_times.append(clean["perf/step_time"])
+        if self.console and progress:
             print(self.progress_line(step, clean), file=sys.stdout, flush=True)
 
     def progress_line(self, step: int, m: dict[str, float]) -> str:
-        elapsed = time.perf_counter() - self._start
-        per_step = elapsed / max(1, self._steps_timed)
+        # The ETA uses RL steps only (warm-up and evaluation are not steps).
+        recent = self._step_times[-10:]
+        per_step = sum(recent) / len(recent) if recent else 0.0
         eta = per_step * (self.total_steps - step)
         parts = [f"step {step}/{self.total_steps}"]
         for key, label, fmt in (

@@ -51,6 +51,10 @@ def connect_ray(config: HomegymConfig) -> bool:
     return True
 
 
+def _progress(message: str) -> None:
+    print(f"homegym: {message}", flush=True)
+
+
 class Runtime:
     def __init__(self, config: HomegymConfig, run_dir: Path) -> None:
         self.config = config
@@ -72,11 +76,14 @@ class Runtime:
         try:
             self._started_ray = connect_ray(self.config)
             self.placement = Placement(self.config)
-            strategies = [self.placement.engine_strategy(i) for i in range(self.config.num_engines)]
-            self.engines = EngineGroup(self.config, strategies,
+            _progress(f"starting {self.config.num_engines} {self.config.rollout.engine} engines")
+            self.engines = EngineGroup(self.config, self.placement,
                                        log_dir=str(self.run_dir / "logs" / "engines"))
+            _progress(f"starting {self.config.train.world_size} {self.config.train.backend} "
+                      "training ranks")
             self.train_group = TrainGroup(self.config, self.placement)
             self.manager = RolloutManager.remote(self.config, self.engines.router_url)
+            _progress("ready")
         except BaseException:
             self.close()
             raise

@@ -61,6 +61,22 @@ class GrowingLayer(DynamicLayer):
         self.is_initialized = True
         self.dtype, self.device = keys.dtype, keys.device
 
+    @classmethod
+    def from_buffers(cls, kbuf: torch.Tensor, vbuf: torch.Tensor, length: int) -> "GrowingLayer":
+        """Adopt preallocated buffers (no copy); the first ``length`` columns are used."""
+        layer = cls.__new__(cls)
+        DynamicLayer.__init__(layer)
+        layer._kbuf, layer._vbuf, layer._len = kbuf, vbuf, length
+        layer.keys, layer.values = kbuf[:, :, :length], vbuf[:, :, :length]
+        layer.is_initialized = True
+        layer.dtype, layer.device = kbuf.dtype, kbuf.device
+        return layer
+
+    def select_rows(self, idx: torch.Tensor) -> "GrowingLayer":
+        """Rows ``idx`` in one copy (spare capacity included)."""
+        return GrowingLayer.from_buffers(self._kbuf.index_select(0, idx),
+                                         self._vbuf.index_select(0, idx), self._len)
+
     def update(self, key_states, value_states, *args, **kwargs):
         n = key_states.shape[-2]
         if self._len + n > self._kbuf.shape[2]:  # grow geometrically: amortized O(1) copies

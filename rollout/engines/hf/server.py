@@ -288,10 +288,10 @@ class Server:
             text = body["prompt"]
         batch = (isinstance(text, list) or (isinstance(input_ids, list) and input_ids
                                             and isinstance(input_ids[0], list)))
-        texts = text if isinstance(text, list) else [text]
-        idss = input_ids if batch and input_ids is not None else [input_ids]
-        prompts = [self._prompt_ids(t if input_ids is None else None, i)
-                   for t, i in zip(texts if input_ids is None else [None] * len(idss), idss)]
+        if input_ids is not None:  # token ids win; never tokenize when they are given
+            prompts = [self._prompt_ids(None, i) for i in (input_ids if batch else [input_ids])]
+        else:
+            prompts = [self._prompt_ids(t, None) for t in (text if batch else [text])]
         sps = body.get("sampling_params")
         sps = sps if isinstance(sps, list) else [sps] * len(prompts)
         if len(sps) != len(prompts):

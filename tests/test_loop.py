@@ -1,0 +1,171 @@
+"""The driver end to end: weight sync round trip, a short real run, resume after a kill.
+
+Everything is real: Ray, the CPU engines behind sglang-router, FSDP2 ranks over gloo,
+wandb in offline mode.
+"""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+from trainer.config import build_config
+from trainer.main import CONF_DIR
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+# A short run: small warm-up, 2 prompts x 4 samples per step, one sampled eval pass.
+SHORT = ["warmup.steps=20", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4",
+         "eval.n_samples_per_prompt=1", "logging.wandb_mode=offline"]
+
+
+def compose_config(*overrides):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return build_config(compose(config_name="config", overrides=list(overrides)))
+
+
+def main_cmd(*overrides):
+    return [sys.executable, "-m", "trainer.main", *SHORT, *overrides]
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def test_weight_sync_round_trip(ray_local, tiny_model_path):
+    """After a push the engine samples from the trainer's new weights (its log-probs equal
+    the trainer's), and a corrupted bucket is refused with the old version kept."""
+    from transformers import AutoTokenizer
+
+    from rollout.demos import make_demos
+    from rollout.engines.group import EngineGroup
+    from rollout.sample import RolloutBatch
+    from trainer.train_group import TrainGroup
+    from trainer.weights import WeightSync, WeightSyncError, checksum
+
+    config = compose_config("train.ranks_per_node=1", "rollout.num_engines=1")
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    engines = EngineGroup(config)
+    group = TrainGroup(config)
+    try:
+        sync = WeightSync(config, group, engines)
+        demos = make_demos(config, tok, 16, seed=3)
+        for s in demos:
+            s.reward = 0.0
+        demo_batch = RolloutBatch.from_samples(demos)
+        for _ in range(3):  # move the weights well away from the engine's copy
+            group.sft_step(demo_batch)
+
+        prompt = demos[0].tokens[:demos[0].prompt_length]
+
+        def engine_sample():
+            out = engines.generate({"input_ids": prompt, "return_logprob": True,
+                                    "sampling_params": {"temperature": 0.0, "max_new_tokens": 6}})
+            ids = out["output_ids"]
+            return ids, torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+
+        def trainer_log_probs(ids):
+            batch = RolloutBatch(tokens=[prompt + ids], response_lengths=[len(ids)],
+                                 loss_masks=[[1] * len(ids)], rollout_log_probs=[[]],
+                                 rewards=[0.0], group_ids=[0], weight_versions=[0],
+                                 statuses=["completed"], labels=[None])
+            return group.log_probs(batch)[0].float()
+
+        ids, before = engine_sample()
+        assert (trainer_log_probs(ids) - before).abs().max() > 1e-3  # engine still on old weights
+
+        metrics = sync.push(version=1)
+        assert metrics["perf/weight_sync_bytes"] > 0
+        assert engines.weight_versions() == ["1"]
+        ids, after = engine_sample()
+        assert torch.allclose(trainer_log_probs(ids), after, atol=1e-4)
+
+        bucket = group.named_weight_buckets(sync.bucket_bytes)[0]
+        with pytest.raises(Exception, match="checksum"):
+            engines.update_weights_from_tensor(bucket, version=2, checksum=checksum(bucket) + 1.0)
+        assert engines.weight_versions() == ["1"]
+        # A verification that sees an engine on the wrong version fails loudly.
+        with pytest.raises(WeightSyncError):
+            sync.verify(version=2)
+    finally:
+        group.shutdown()
+        engines.shutdown()
+
+
+def test_short_run_learns_something_and_writes_its_run_dir(tmp_path, tiny_model_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(main_cmd("train.num_steps=3", "logging.run_name=short",
+                                   f"logging.output_dir={out}"),
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = out / "short"
+    steps = [r for r in read_jsonl(run / "metrics.jsonl") if "train/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert math.isfinite(r["rollout/raw_reward"]) and math.isfinite(r["train/pg_loss"])
+        assert r["perf/weight_sync_bytes"] > 0
+    assert "step 3/3" in proc.stdout
+    # The exported policy differs from the model it started from.
+    trained = load_file(str(run / "checkpoints" / "latest" / "hf" / "model.safetensors"))
+    base = load_file(os.path.join(tiny_model_path, "model.safetensors"))
+    assert set(trained) <= set(base)
+    assert any(not torch.equal(trained[k], base[k]) for k in trained)
+    table = (run / "eval_table.md").read_text()
+    assert "| base |" in table and "| trained |" in table
+    assert (run / "config.yaml").exists() and list((run / "wandb").glob("offline-run-*"))
+
+
+def expected_data_order(config, num_steps):
+    """The group labels each step trains on, straight from the data source."""
+    from transformers import AutoTokenizer
+
+    from rollout.data import DataSource
+    from trainer.models import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(config.model.path))
+    data = DataSource.from_config(config, "train", tok)
+    return [[data.next_group()[0].label for _ in range(config.rollout.rollout_batch_size)]
+            for _ in range(num_steps)]
+
+
+def test_resume_after_kill_continues_the_same_run(tmp_path):
+    out = tmp_path / "out"
+    overrides = ["train.num_steps=4", "train.save_interval=1", "logging.run_name=killed",
+                 f"logging.output_dir={out}", "eval.before_and_after=false"]
+    run = out / "killed"
+    proc = subprocess.Popen(main_cmd(*overrides), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    try:
+        while not (run / "checkpoints" / "step_000002" / "COMPLETE").exists():
+            assert proc.poll() is None, "run ended before its second checkpoint"
+            assert time.time() < deadline, "no second checkpoint within 10 minutes"
+            time.sleep(0.5)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started
+        proc.wait()
+    wandb_id = (run / "wandb_id.txt").read_text()
+    done = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    last = int(done[-1].split("_")[1])
+
+    resumed = subprocess.run(main_cmd(*overrides), cwd=REPO, capture_output=True, text=True,
+                             timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"at step {last}" in resumed.stdout
+    assert (run / "wandb_id.txt").read_text() == wandb_id  # same wandb run, resumed
+    steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "train/pg_loss" in r]
+    assert steps[-(4 - last):] == list(range(last + 1, 5))
+    # Identical data order: the last record of each step matches the data source's order.
+    order = {r["step"]: r["labels"] for r in read_jsonl(run / "data_order.jsonl")}
+    config = compose_config(*SHORT, *overrides)
+    assert [order[s] for s in range(1, 5)] == expected_data_order(config, 4)

@@ -1,0 +1,212 @@
+"""Megatron-core pieces of the backend: parallel state, the GPT model from an HF config,
+HF weight loading, TP gathering for export, and vocab-parallel log-probs/entropy.
+
+Kept apart from ``backend.py`` so tests can build a model in one process without Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from trainer.backends.megatron import hf_map
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available()
+
+
+def initialize_parallel(train, *, seed: int) -> None:
+    """Megatron's process groups over the already-initialised default group (all ranks)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=train.tensor_model_parallel_size,
+        pipeline_model_parallel_size=train.pipeline_model_parallel_size,
+        context_parallel_size=train.context_parallel_size,
+        expert_model_parallel_size=train.expert_model_parallel_size,
+        create_gloo_process_groups=False)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(hf, train, *, dtype: str, cpu: bool):
+    from megatron.core.transformer import TransformerConfig
+
+    params_dtype = _DTYPES[dtype]
+    num_experts = getattr(hf, "num_experts", None) or getattr(hf, "n_routed_experts", None)
+    if num_experts:
+        raise NotImplementedError("mixture-of-experts checkpoints are not mapped yet "
+                                  "(expert parallel groups are initialised, the map is not)")
+    return TransformerConfig(
+        **hf_map.transformer_config_kwargs(hf),
+        tensor_model_parallel_size=train.tensor_model_parallel_size,
+        pipeline_model_parallel_size=train.pipeline_model_parallel_size,
+        context_parallel_size=train.context_parallel_size,
+        expert_model_parallel_size=train.expert_model_parallel_size,
+        sequence_parallel=train.sequence_parallel,
+        params_dtype=torch.float32,  # master weights; Float16Module casts for compute
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        variable_seq_lengths=True,  # micro-batches differ in shape: send shapes first
+        use_cpu_initialization=cpu,
+        perform_initialization=False,  # every weight comes from the HF checkpoint
+        # Fused kernels need CUDA (and Apex/TE); they are numerically the same ops.
+        bias_dropout_fusion=not cpu,
+        masked_softmax_fusion=not cpu,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        persist_layer_norm=False,
+        recompute_granularity="full" if train.gradient_checkpointing else None,
+        recompute_method="uniform" if train.gradient_checkpointing else None,
+        recompute_num_layers=1 if train.gradient_checkpointing else None,
+    )
+
+
+def layer_spec(config, *, use_te: bool):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+
+
+def vocab_multiple(tp: int, cpu: bool) -> int:
+    return tp if cpu else 128 * tp
+
+
+def build_gpt(hf, config, *, use_te: bool, padded_vocab: int):
+    """This pipeline stage's GPTModel (float32 parameters, uninitialised)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(config=config, transformer_layer_spec=layer_spec(config, use_te=use_te),
+                    pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage(),
+                    parallel_output=True, **hf_map.model_kwargs(hf, padded_vocab))
+
+
+def layer_offset(gpt) -> int:
+    layers = gpt.decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
+class HFCheckpoint:
+    """Lazy reader of an HF safetensors checkpoint (single file or sharded with an index)."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = json.load(f)["weight_map"]
+        else:
+            single = os.path.join(path, "model.safetensors")
+            if not os.path.exists(single):
+                raise FileNotFoundError(f"{path}: no model.safetensors(.index.json)")
+            with safe_open(single, "pt") as f:
+                files = {k: "model.safetensors" for k in f.keys()}
+        self.path, self.files = path, files
+        self._handles: dict = {}
+        self._open = safe_open
+
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def get(self, name: str) -> torch.Tensor:
+        fname = self.files[name]
+        if fname not in self._handles:
+            self._handles[fname] = self._open(os.path.join(self.path, fname), "pt")
+        return self._handles[fname].get_tensor(name)
+
+
+@torch.no_grad()
+def load_hf_weights(gpt, hf, ckpt: HFCheckpoint, *, te_names: bool, padded_vocab: int) -> None:
+    """Fill this rank's GPTModel shard from the HF checkpoint (each rank reads what it needs)."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    offset = layer_offset(gpt)
+    tied = bool(hf.tie_word_embeddings)
+    state = gpt.state_dict(keep_vars=True)
+    for local, param in state.items():
+        if "_extra_state" in local or not isinstance(param, torch.Tensor):
+            continue
+        name = hf_map.global_name(local, offset)
+        sources = [ckpt.get(n) for n in hf_map.hf_names_of(name, te_names=te_names, tied=tied)]
+        full = hf_map.to_megatron(hf, name, sources, padded_vocab)
+        part = hf_map.shard(name, full, tp_rank, tp_size)
+        if part.shape != param.shape:
+            raise ValueError(f"{name}: checkpoint gives {tuple(part.shape)}, model has "
+                             f"{tuple(param.shape)}")
+        param.data.copy_(part.to(param.dtype))
+
+
+def gather_tp(name: str, local: torch.Tensor) -> torch.Tensor:
+    """The full tensor from every TP rank's shard (a collective over the TP group)."""
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    if size == 1 or hf_map.tp_split_dim(name) is None:
+        return local
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return hf_map.unshard(name, parts)
+
+
+def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int,
+                             with_entropy: bool, entropy_grad: bool = False,
+                             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log p(target) (and entropy) from this TP rank's vocab slice of the logits.
+
+    ``logits`` [N, V/tp]; columns beyond the real ``vocab_size`` (padding) are dropped.
+    All-reduces use Megatron's reduce-from-TP-region (backward: identity), which is the
+    right gradient because every TP rank computes the same loss from the reduced values.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    part = logits.shape[-1]
+    start = tp_rank * part
+    valid = max(min(vocab_size - start, part), 0)
+    logits = logits[..., :valid].float()
+    local_max = logits.max(dim=-1).values.detach()
+    if tp_size > 1:
+        global_max = local_max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX,
+                        group=parallel_state.get_tensor_model_parallel_group())
+        reduce = reduce_from_tensor_model_parallel_region
+    else:
+        global_max = local_max
+        reduce = lambda x: x  # noqa: E731
+    shifted = logits - global_max[:, None]
+    sum_exp = reduce(shifted.exp().sum(dim=-1))
+    lse = sum_exp.log()
+    in_range = (targets >= start) & (targets < start + valid)
+    local_idx = (targets - start).clamp(0, max(valid - 1, 0))
+    target_logit = shifted.gather(-1, local_idx[:, None]).squeeze(-1) * in_range
+    logp = reduce(target_logit) - lse
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            probs = (shifted - lse[:, None]).exp()
+            entropy = lse - reduce((probs * shifted).sum(dim=-1))
+    return logp, entropy
