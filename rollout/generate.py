@@ -83,8 +83,10 @@ async def post(url: str, payload: Optional[dict] = None, *, max_retries: int = 8
                method: str = "POST") -> Any:
     """POST JSON and return the decoded JSON answer (or text when it is not JSON).
 
-    Connection errors and 502/503/504 are retried with exponential backoff and jitter;
-    any other HTTP error raises ``EngineError`` with the server's message.
+    Connection errors (refused, reset, dropped mid-answer) and 502/503/504 are retried
+    with exponential backoff and jitter -- an engine that dies mid-request costs a retry
+    on another engine, not the sample; any other HTTP error raises ``EngineError`` with
+    the server's message.
     """
     if ABORT.on and url.endswith("/generate"):
         return _abort_response()
@@ -109,7 +111,11 @@ async def post(url: str, payload: Optional[dict] = None, *, max_retries: int = 8
                 body = await resp.text()
                 if resp.status not in _RETRY_STATUS or attempt == max_retries:
                     raise EngineError(f"{method} {url} -> HTTP {resp.status}: {body[:500]}")
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+        # ClientPayloadError: the connection dropped mid-answer (an engine died while
+        # streaming its reply through the router): the request is retried, and the
+        # router sends it to a live engine.
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
+                asyncio.TimeoutError) as e:
             if attempt == max_retries:
                 raise EngineError(f"{method} {url}: unreachable after {max_retries + 1} "
                                   f"attempts: {e!r}") from e
@@ -278,6 +284,8 @@ class EnginePolicy:
         self.state = state
         self.sampling_params = sampling_params
         self.weight_version: Optional[int] = None
+        self.versions_mixed = False  # some turn's tokens span a weight update
+        self.partial_weights = False  # some forward pass ran on a half-applied update
 
     async def act(self, token_ids: list[int], max_new_tokens: int
                   ) -> tuple[list[int], list[float], str]:
@@ -293,9 +301,16 @@ class EnginePolicy:
         if len(lps) != len(ids):
             raise EngineError(f"engine returned {len(ids)} output_ids but {len(lps)} "
                               "output_token_logprobs (was return_logprob honoured?)")
-        version = parse_weight_version(meta.get("weight_version"))
-        if version is not None:
-            self.weight_version = version
+        # The oldest version any of this turn's tokens came from (an update may land
+        # mid-request); "+partial" marks a forward pass on half-updated weights.
+        seen = meta.get("weight_versions") or [meta.get("weight_version")]
+        versions = [v for v in map(parse_weight_version, seen) if v is not None]
+        if versions:
+            self.weight_version = min(versions)
+        if len(set(seen)) > 1:
+            self.versions_mixed = True
+        if any(str(v).endswith("+partial") for v in seen):
+            self.partial_weights = True
         return ids, lps, finish
 
 
@@ -391,7 +406,11 @@ async def run_episode(episode: Episode, policy: Policy, renderer: ChatRenderer, 
     s.response = tokenizer.decode(s.response_tokens, skip_special_tokens=True)
     s.metadata["num_turns"] = episode.turns
     if episode.weight_versions:
-        s.weight_version = episode.weight_versions[0]
+        s.weight_version = min(episode.weight_versions)
+    if len(set(episode.weight_versions)) > 1 or getattr(policy, "versions_mixed", False):
+        s.metadata["weight_versions_mixed"] = True
+    if getattr(policy, "partial_weights", False):
+        s.metadata["partial_weight_update"] = True
     if env is not None:
         s.reward = episode.env_reward
     return s

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
@@ -51,7 +52,7 @@ def test_weight_sync_round_trip(ray_local, tiny_model_path):
     from rollout.engines.group import EngineGroup
     from rollout.sample import RolloutBatch
     from trainer.train_group import TrainGroup
-    from trainer.weights import WeightSync, WeightSyncError, checksum
+    from trainer.weights import WeightSync, WeightSyncError, bucket_checksum
 
     config = compose_config("train.ranks_per_node=1", "rollout.num_engines=1")
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
@@ -69,8 +70,9 @@ def test_weight_sync_round_trip(ray_local, tiny_model_path):
         prompt = demos[0].tokens[:demos[0].prompt_length]
 
         def engine_sample():
-            out = engines.generate({"input_ids": prompt, "return_logprob": True,
-                                    "sampling_params": {"temperature": 0.0, "max_new_tokens": 6}})
+            out = requests.post(f"{engines.router_url}/generate", timeout=60, json={
+                "input_ids": prompt, "return_logprob": True,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": 6}}).json()
             ids = out["output_ids"]
             return ids, torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
 
@@ -92,7 +94,7 @@ def test_weight_sync_round_trip(ray_local, tiny_model_path):
 
         bucket = group.named_weight_buckets(sync.bucket_bytes)[0]
         with pytest.raises(Exception, match="checksum"):
-            engines.update_weights_from_tensor(bucket, version=2, checksum=checksum(bucket) + 1.0)
+            engines.update_weights_from_tensor(bucket, version=2, checksum=bucket_checksum(bucket) + 1.0)
         assert engines.weight_versions() == ["1"]
         # A verification that sees an engine on the wrong version fails loudly.
         with pytest.raises(WeightSyncError):

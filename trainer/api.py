@@ -37,7 +37,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainer.config import ConfigError, HomegymConfig, build_config, register_schema
 
@@ -69,10 +69,24 @@ def compose_config(overrides: Sequence[str] = (), values: Optional[dict] = None)
             with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
                 cfg = compose(config_name="config", overrides=list(overrides))
             if values:
-                cfg = OmegaConf.merge(cfg, OmegaConf.create(values))
+                _check_keys(cfg, values)
+                with open_dict(cfg):  # free-form dicts (extra_config, ...) take new keys
+                    cfg = OmegaConf.merge(cfg, OmegaConf.create(values))
         except (HydraException, OmegaConfBaseException) as err:
-            raise ConfigError(str(err).splitlines()[0] if str(err) else repr(err)) from err
+            raise ConfigError(" ".join(line.strip() for line in str(err).splitlines() if line.strip()) or repr(err)) from err
     return build_config(cfg)
+
+
+def _check_keys(cfg: DictConfig, values: dict, prefix: str = "") -> None:
+    """Every key of ``values`` must exist in the schema (free-form dicts take any key)."""
+    for key, value in values.items():
+        full = f"{prefix}{key}"
+        if key not in cfg:
+            raise ConfigError(f"{full}: no such config key")
+        node = cfg._get_node(key)
+        if isinstance(value, dict) and isinstance(node, DictConfig) and \
+                node._metadata.object_type not in (None, dict):
+            _check_keys(node, value, full + ".")
 
 
 def _set(tree: dict, dotted: str, value: Any) -> None:

@@ -117,6 +117,10 @@ class RolloutConfig:
     extra_config: Dict[str, Any] = field(default_factory=dict)
     # Per-sample timeout for generate + reward (seconds); a hang marks the sample FAILED.
     sample_timeout_s: float = 300.0
+    # Disaggregated runs push weights while engines generate. "pause": in-flight requests
+    # wait in place and continue on the new weights (their samples record both versions);
+    # "abort": they are aborted and continued next step as partial rollouts.
+    update_in_flight: str = "pause"
 
     def __post_init__(self) -> None:
         _one_of(self.engine, "rollout.engine", ("hf", "sglang"))
@@ -133,6 +137,7 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
         _check(0 < self.mem_fraction_static <= 1, "rollout.mem_fraction_static", "must be in (0, 1]")
         _check(self.sample_timeout_s > 0, "rollout.sample_timeout_s", "must be > 0")
+        _one_of(self.update_in_flight, "rollout.update_in_flight", ("pause", "abort"))
 
 
 @dataclass

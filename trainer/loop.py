@@ -18,7 +18,9 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterator
 
 import ray
 from omegaconf import OmegaConf
@@ -80,7 +82,12 @@ class Driver:
         self.run_dir = run_dir
         self.rt = runtime
         self.ckpt = CheckpointManager(run_dir)
-        self.sync = WeightSync(config, runtime.train_group, runtime.engines, mode="tensor")
+        # Colocated engines share the trainer's host and take turns: hand tensors over in
+        # memory. Disaggregated engines keep running: broadcast over a process group.
+        self.sync = WeightSync(config, runtime.train_group, runtime.engines,
+                               mode="tensor" if config.cluster.colocate else "distributed")
+        self._pipeline: RolloutPipeline | None = None
+        self._prefetched: list[tuple[int, Any]] = []  # restored from a checkpoint
         self.logger: MetricsLogger | None = None
         self.evals: dict[str, dict[str, float]] = {}
 
@@ -95,10 +102,12 @@ class Driver:
                 if cfg.warmup.steps > 0:
                     self.evaluate("initial", step=0)
                     self.warmup()
+                else:
+                    self.sync.push(version=0)  # engines report numbered policy versions
                 if cfg.eval.before_and_after:
                     self.evaluate("base", step=0)
-            for step in range(start_step + 1, cfg.train.num_steps + 1):
-                metrics = self.rl_step(step)
+            steps = self.colocated_steps if cfg.cluster.colocate else self.async_steps
+            for step, metrics in steps(start_step):
                 self.logger.log(step, metrics)
                 if cfg.train.save_interval and step % cfg.train.save_interval == 0:
                     self.save(step)
@@ -116,23 +125,60 @@ class Driver:
         return RunResult(run_dir=self.run_dir, steps=cfg.train.num_steps, evals=self.evals,
                          final_metrics=metrics)
 
-    def rl_step(self, step: int) -> dict[str, float]:
-        rt, metrics = self.rt, {}
-        with timed(metrics, "perf/step_time"):
-            with timed(metrics, "perf/rollout_time"):
-                batch = ray.get(rt.manager.generate.remote(step))
-            if len(batch) == 0:
-                # Every group was filtered out or failed: nothing to learn from this step.
-                log.warning("step %d: empty rollout batch, skipping the update", step)
-                return {**batch.metrics, "train/skipped": 1.0}
-            rt.engines.release_memory()
-            rt.train_group.onload()
-            with timed(metrics, "perf/train_time"):
-                metrics.update(rt.train_group.train_step(batch))
-            rt.train_group.offload()
-            rt.engines.resume_memory()
-            metrics.update(self.sync.push(version=step))
-        metrics.update(batch.metrics)
+    def colocated_steps(self, start_step: int) -> Iterator[tuple[int, dict[str, float]]]:
+        """Generate, then train on the same devices, then push: strictly on-policy."""
+        rt = self.rt
+        for step in range(start_step + 1, self.config.train.num_steps + 1):
+            metrics: dict[str, float] = {}
+            with timed(metrics, "perf/step_time"):
+                with timed(metrics, "perf/rollout_time"):
+                    batch = ray.get(rt.manager.generate.remote(step))
+                if len(batch):
+                    rt.engines.release_memory()
+                    rt.train_group.onload()
+                    metrics.update(self.train(step, batch))
+                    rt.train_group.offload()
+                    rt.engines.resume_memory()
+                    metrics.update(self.sync.push(version=step))
+            yield step, {**batch.metrics, **metrics}
+
+    def async_steps(self, start_step: int) -> Iterator[tuple[int, dict[str, float]]]:
+        """Engines keep generating while the ranks train; generation of step s starts once
+        the policy is at version >= s - 1 - max_staleness, and samples staler than that
+        bound when trained on are dropped (algo.stale_policy=drop) or kept and counted."""
+        cfg, rt = self.config, self.rt
+        pipeline = RolloutPipeline(rt.manager, max_staleness=cfg.algo.max_staleness,
+                                   last_step=cfg.train.num_steps, prefetched=self._prefetched)
+        self._pipeline = pipeline
+        version = start_step
+        try:
+            for step in range(start_step + 1, cfg.train.num_steps + 1):
+                metrics: dict[str, float] = {}
+                with timed(metrics, "perf/step_time"):
+                    pipeline.launch_ready(version)
+                    with timed(metrics, "perf/trainer_wait_time"):
+                        batch, gen_metrics = pipeline.take(step)
+                    metrics.update(gen_metrics)
+                    batch, stale = filter_stale(batch, version=version,
+                                                max_staleness=cfg.algo.max_staleness,
+                                                drop=cfg.algo.stale_policy == "drop")
+                    metrics.update(stale)
+                    if len(batch):
+                        metrics.update(self.train(step, batch))
+                        pause = "in_place" if cfg.rollout.update_in_flight == "pause" else "abort"
+                        rt.engines.pause_generation(mode=pause)
+                        metrics.update(self.sync.push(version=step))
+                        rt.engines.continue_generation()
+                    version = step
+                yield step, {**batch.metrics, **metrics}
+        finally:
+            pipeline.close()
+            self._pipeline = None
+
+    def train(self, step: int, batch) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        with timed(metrics, "perf/train_time"):
+            metrics.update(self.rt.train_group.train_step(batch))
         self._record_data_order(step, batch)
         return metrics
 
@@ -171,6 +217,8 @@ class Driver:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, name: str, *, step: int) -> dict[str, float]:
+        if self._pipeline is not None:
+            self._pipeline.prefetched()  # one manager call at a time: let generation finish
         result = ray.get(self.rt.manager.evaluate.remote("eval"))
         metrics = result["metrics"]
         self.evals[name] = metrics
@@ -196,7 +244,8 @@ class Driver:
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> Path:
         rt = self.rt
-        state = ray.get(rt.manager.state_dict.remote())
+        prefetched = self._pipeline.prefetched() if self._pipeline is not None else []
+        state = {"manager": ray.get(rt.manager.state_dict.remote()), "prefetched": prefetched}
         model_dir = resolve_model_path(self.config.model.path, self.config.model.cache_dir)
         path = self.ckpt.save(
             step, save_train=lambda d: rt.train_group.save(str(d)),
@@ -211,7 +260,8 @@ class Driver:
         if path is None:
             return 0
         resumed = self.ckpt.load(path, load_train=lambda d: self.rt.train_group.load(str(d)))
-        ray.get(self.rt.manager.load_state_dict.remote(resumed.rollout_state))
+        ray.get(self.rt.manager.load_state_dict.remote(resumed.rollout_state["manager"]))
+        self._prefetched = list(resumed.rollout_state.get("prefetched", []))
         self.evals = dict(resumed.meta.get("evals", {}))
         self.sync.push(version=resumed.step)
         print(f"resumed from {path} at step {resumed.step}", flush=True)
@@ -243,3 +293,73 @@ def summarize_gain(evals: dict[str, dict[str, float]], before: str = "base",
         if key in evals.get(before, {}) and key in evals.get(after, {}):
             out[prefix] = 100 * (evals[after][key] - evals[before][key])
     return out
+
+
+class RolloutPipeline:
+    """Runs the rollout manager's `generate` calls one after another on a background
+    thread, as far ahead of training as the staleness bound allows."""
+
+    def __init__(self, manager, *, max_staleness: int, last_step: int,
+                 prefetched: list[tuple[int, Any]] = ()) -> None:
+        self.manager = manager
+        self.max_staleness = max_staleness
+        self.last_step = last_step
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+        self._queue: deque[tuple[int, Future]] = deque()
+        self._next = None
+        self._last_end: float | None = None
+        for step, result in prefetched:  # batches a checkpoint saved before training on them
+            future: Future = Future()
+            future.set_result(result)
+            self._queue.append((step, future))
+            self._next = step + 1
+
+    def prefetched(self) -> list[tuple[int, Any]]:
+        """Wait for queued generations; return them (they belong in a checkpoint: the
+        manager's data position has already moved past them)."""
+        return [(step, future.result()) for step, future in self._queue]
+
+    def launch_ready(self, version: int) -> None:
+        """Queue every step whose generation may start under policy `version`."""
+        if self._next is None:
+            self._next = version + 1
+        while (self._next <= self.last_step and len(self._queue) <= self.max_staleness
+               and version >= self._next - 1 - self.max_staleness):
+            self._queue.append((self._next, self._executor.submit(self._generate, self._next)))
+            self._next += 1
+
+    def _generate(self, step: int):
+        start = time.perf_counter()
+        idle = start - self._last_end if self._last_end is not None else 0.0
+        batch = ray.get(self.manager.generate.remote(step))
+        self._last_end = time.perf_counter()
+        return batch, {"perf/rollout_time": self._last_end - start, "perf/engine_idle_time": idle}
+
+    def take(self, step: int):
+        queued, future = self._queue.popleft()
+        assert queued == step, (queued, step)
+        return future.result()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def filter_stale(batch, *, version: int, max_staleness: int, drop: bool):
+    """Staleness of each sample = policy version now - version of its oldest token.
+    Groups holding a sample staler than `max_staleness` are dropped (or kept, counted)."""
+    from rollout.sample import RolloutBatch
+
+    staleness = [version - v if v >= 0 else 0 for v in batch.weight_versions]
+    metrics = {f"async/staleness_{d}": float(staleness.count(d)) for d in sorted(set(staleness))}
+    metrics["async/max_staleness"] = float(max(staleness, default=0))
+    stale_groups = {g for g, d in zip(batch.group_ids, staleness) if d > max_staleness}
+    metrics["async/stale_samples"] = float(sum(g in stale_groups for g in batch.group_ids))
+    if not drop or not stale_groups:
+        metrics["async/dropped_stale_samples"] = 0.0
+        return batch, metrics
+    keep = [i for i, g in enumerate(batch.group_ids) if g not in stale_groups]
+    fields = {name: [getattr(batch, name)[i] for i in keep]
+              for name in ("tokens", "response_lengths", "loss_masks", "rollout_log_probs",
+                           "rewards", "group_ids", "weight_versions", "statuses", "labels")}
+    metrics["async/dropped_stale_samples"] = float(len(batch) - len(keep))
+    return RolloutBatch(**fields, metrics=batch.metrics), metrics

@@ -72,6 +72,44 @@ class TrainActor:
             if self.rank == 0:
                 yield bucket
 
+    # ---- weight broadcast to running engines (disaggregated) ----------------------------
+    def init_weight_broadcast(self, master_address: str, master_port: int, world_size: int,
+                              group_name: str) -> None:
+        """Rank 0 joins the engines' weight-update group as its rank 0 (SGLang's protocol)."""
+        if self.rank != 0:
+            return
+        from rollout.engines.weights_io import init_custom_process_group
+
+        backend = "nccl" if self.config.cluster.device == "cuda" else "gloo"
+        self._weight_group = init_custom_process_group(
+            backend, f"tcp://{master_address}:{master_port}", world_size, 0, group_name)
+
+    def stage_weights(self, bucket_bytes: int) -> Optional[list[dict]]:
+        """Gather the weights (collective) and keep them on rank 0 for `broadcast_staged`;
+        returns each bucket's names, dtypes, shapes, bytes and checksum."""
+        from rollout.engines.weights_io import checksum
+
+        buckets = list(self.backend.named_weight_buckets(bucket_bytes))
+        if self.rank != 0:
+            return None
+        self._staged = buckets
+        return [{"names": [n for n, _ in b],
+                 "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in b],
+                 "shapes": [list(t.shape) for _, t in b],
+                 "bytes": sum(t.numel() * t.element_size() for _, t in b),
+                 "checksum": checksum(t for _, t in b)} for b in buckets]
+
+    def broadcast_staged(self) -> None:
+        """Broadcast the staged tensors, bucket by bucket, in the order `stage_weights` listed."""
+        import torch.distributed as dist
+
+        if self.rank != 0:
+            return
+        for bucket in self._staged:
+            for _, tensor in bucket:
+                dist.broadcast(tensor.contiguous(), src=0, group=self._weight_group)
+        self._staged = None
+
     def save(self, path: str) -> None:
         self.backend.save(path)
 
@@ -153,6 +191,22 @@ class TrainGroup:
             for stream in streams[1:]:  # other ranks finish their part of the gathers
                 for ref in stream:
                     ray.get(ref)
+
+    # Weight broadcast to running engines: the driver interleaves these with the engines'
+    # own calls, so the ones that block on the other side return Ray refs.
+    def weight_rendezvous(self) -> tuple[str, int]:
+        return ray.get(self.actors[0].rendezvous_address.remote())
+
+    def init_weight_broadcast(self, master_address: str, master_port: int, world_size: int,
+                              group_name: str):
+        return self.actors[0].init_weight_broadcast.remote(master_address, master_port,
+                                                           world_size, group_name)
+
+    def stage_weights(self, bucket_bytes: int) -> list[dict]:
+        return self._all("stage_weights", bucket_bytes)[0]
+
+    def broadcast_staged(self):
+        return self.actors[0].broadcast_staged.remote()
 
     def save(self, path: str) -> None:
         self._all("save", path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from rollout.engines.actor import LaunchSpec, remote_actor_class, spec_from_config
 from rollout.engines.router import Router
@@ -18,7 +18,79 @@ from rollout.engines.router import Router
 log = logging.getLogger("homegym.engines")
 
 
-class EngineGroup:
+class _FanOut:
+    """Fan-out methods over ``self.engines`` (Ray actor handles): each returns once every
+    engine has answered (results in engine order) and raises if any engine failed."""
+
+    engines: list
+
+    def _all(self, method: str, *args, **kwargs) -> list:
+        import ray
+
+        return ray.get([getattr(e, method).remote(*args, **kwargs) for e in self.engines])
+
+    def health(self) -> list[bool]:
+        return self._all("health")
+
+    def update_weights_from_tensor(self, named_tensors, version=None, checksum=None) -> list:
+        from rollout.engines.weights_io import MultiprocessingSerializer
+
+        # Serialize once here (shared memory handles), not once per engine.
+        payload = named_tensors if isinstance(named_tensors, str) else \
+            MultiprocessingSerializer.serialize(list(named_tensors), output_str=True)
+        return self._all("update_weights_from_tensor", payload, version, checksum)
+
+    def init_weights_update_group(self, master_address, master_port, world_size=None,
+                                  group_name="weight_update_group", backend="gloo") -> list:
+        """Engines join as ranks 1..N (the trainer's rank 0 broadcasts). Returns the Ray
+        refs: the trainer must join the group (rank 0) before these complete."""
+        world_size = world_size or 1 + len(self.engines)
+        return [e.init_weights_update_group.remote(master_address, master_port, 1 + i, world_size,
+                                                   group_name, backend)
+                for i, e in enumerate(self.engines)]
+
+    def update_weights_from_distributed(self, names, dtypes, shapes,
+                                        group_name="weight_update_group", version=None,
+                                        checksum=None) -> list:
+        """Returns Ray refs; the trainer broadcasts the tensors, then ray.get()s them."""
+        return [e.update_weights_from_distributed.remote(names, dtypes, shapes, group_name, version,
+                                                         checksum) for e in self.engines]
+
+    def update_weights_from_disk(self, path, version=None, checksum=None) -> list:
+        return self._all("update_weights_from_disk", path, version, checksum)
+
+    def release_memory(self) -> list:
+        return self._all("release_memory")
+
+    def resume_memory(self, tags=None) -> list:
+        return self._all("resume_memory", tags)
+
+    def pause_generation(self, mode: str = "abort") -> list:
+        return self._all("pause_generation", mode)
+
+    def continue_generation(self) -> list:
+        return self._all("continue_generation")
+
+    def abort_all(self) -> list:
+        return self._all("abort_all")
+
+    def flush_cache(self) -> list:
+        return self._all("flush_cache")
+
+    def weight_versions(self) -> list[str]:
+        return self._all("weight_version")
+
+
+class EngineView(_FanOut):
+    """Some engines of a group, with the group's fan-out methods (e.g. a weight push to the
+    engines just restarted: ``WeightSync(config, train_group, view).push(version)``)."""
+
+    def __init__(self, engines: Sequence[Any], indices: Sequence[int]):
+        self.engines = list(engines)
+        self.indices = list(indices)
+
+
+class EngineGroup(_FanOut):
     def __init__(self, config, placement: Optional[Sequence[Any]] = None, *,
                  num_engines: Optional[int] = None, model_path: Optional[str] = None,
                  log_dir: Optional[str] = None, start: bool = True):
@@ -49,6 +121,7 @@ class EngineGroup:
         self.urls: list[str] = []
         self.router: Optional[Router] = None
         self._next_id = 0
+        self.restarts = 0  # engines restarted by recover() over the run
         if start:
             self.start()
 
@@ -143,6 +216,8 @@ class EngineGroup:
         url, actor = self.urls.pop(index), self.engines.pop(index)
         if self.placement is not None and index < len(self.placement):
             self.placement.pop(index)
+        if self.gpu_ids is not None and index < len(self.gpu_ids):
+            self.gpu_ids.pop(index)
         try:
             self.router.remove_worker(url)
         except ValueError:
@@ -166,59 +241,75 @@ class EngineGroup:
         self.urls[index] = url
         return url
 
-    # ---- fan-out ----
-    def _all(self, method: str, *args, **kwargs) -> list:
+    # ---- fault recovery ----
+    def find_dead(self, timeout_s: float = 30.0) -> dict[int, str]:
+        """Engines that need a restart: ``{index: reason}``. An engine is dead when its
+        server process exited or its /health does not answer 200 ("server"), or when its
+        Ray actor itself is gone or unresponsive ("actor": it must be re-created)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        refs = [e.health.remote() for e in self.engines]
+        dead: dict[int, str] = {}
+        for i, ref in enumerate(refs):
+            try:
+                if not ray.get(ref, timeout=timeout_s):
+                    dead[i] = "server"
+            except (RayActorError, GetTimeoutError) as err:
+                log.warning("engine %d: actor unreachable (%s)", i, type(err).__name__)
+                dead[i] = "actor"
+        return dead
+
+    def _respawn(self, index: int) -> str:
+        """Replace engine ``index``'s Ray actor (same placement slot) and start its server."""
         import ray
 
-        return ray.get([getattr(e, method).remote(*args, **kwargs) for e in self.engines])
+        try:
+            ray.kill(self.engines[index])
+        except Exception:
+            pass
+        actor, ref = self._spawn(index)
+        self.engines[index] = actor
+        return ray.get(ref)
 
-    def health(self) -> list[bool]:
-        return self._all("health")
+    def recover(self, push_weights: Optional[Callable[["EngineView"], Any]] = None) -> dict[str, float]:
+        """Restart every dead engine, re-register it with the router and bring it to the
+        current weights; returns metrics for the step.
 
-    def update_weights_from_tensor(self, named_tensors, version=None, checksum=None) -> list:
-        from rollout.engines.weights_io import MultiprocessingSerializer
+        ``push_weights(view)`` is called once with an ``EngineView`` of the restarted
+        engines (same fan-out methods as the group) and must load the current policy into
+        them, e.g. ``lambda view: WeightSync(config, train_group, view).push(version)``.
+        A restarted server starts from ``model_path``: without ``push_weights`` it serves
+        the base weights until the next regular push.
 
-        # Serialize once here (shared memory handles), not once per engine.
-        payload = named_tensors if isinstance(named_tensors, str) else \
-            MultiprocessingSerializer.serialize(list(named_tensors), output_str=True)
-        return self._all("update_weights_from_tensor", payload, version, checksum)
+        Call it between rollouts (the driver does, at the start of each step and right
+        after each rollout, before any fan-out call that needs every engine). In-flight
+        requests of an engine that died mid-rollout were already retried on the others by
+        the router (and by ``post``), so the step itself completes without it.
+        """
+        dead = self.find_dead()
+        for index, reason in sorted(dead.items()):
+            old = self.urls[index]
+            log.warning("engine %d (%s) is dead (%s): restarting it", index, old, reason)
+            try:
+                self.router.remove_worker(old)
+            except ValueError:
+                pass  # the router had already dropped it
+            if reason == "actor":
+                url = self._respawn(index)
+            else:
+                import ray
 
-    def init_weights_update_group(self, master_address, master_port, world_size=None,
-                                  group_name="weight_update_group", backend="gloo") -> list:
-        """Engines join as ranks 1..N (the trainer's rank 0 broadcasts). Returns the Ray
-        refs: the trainer must join the group (rank 0) before these complete."""
-        world_size = world_size or 1 + len(self.engines)
-        return [e.init_weights_update_group.remote(master_address, master_port, 1 + i, world_size,
-                                                   group_name, backend)
-                for i, e in enumerate(self.engines)]
-
-    def update_weights_from_distributed(self, names, dtypes, shapes,
-                                        group_name="weight_update_group", version=None,
-                                        checksum=None) -> list:
-        """Returns Ray refs; the trainer broadcasts the tensors, then ray.get()s them."""
-        return [e.update_weights_from_distributed.remote(names, dtypes, shapes, group_name, version,
-                                                         checksum) for e in self.engines]
-
-    def update_weights_from_disk(self, path, version=None, checksum=None) -> list:
-        return self._all("update_weights_from_disk", path, version, checksum)
-
-    def release_memory(self) -> list:
-        return self._all("release_memory")
-
-    def resume_memory(self, tags=None) -> list:
-        return self._all("resume_memory", tags)
-
-    def pause_generation(self, mode: str = "abort") -> list:
-        return self._all("pause_generation", mode)
-
-    def continue_generation(self) -> list:
-        return self._all("continue_generation")
-
-    def abort_all(self) -> list:
-        return self._all("abort_all")
-
-    def flush_cache(self) -> list:
-        return self._all("flush_cache")
-
-    def weight_versions(self) -> list[str]:
-        return self._all("weight_version")
+                try:
+                    url = ray.get(self.engines[index].restart.remote())
+                except Exception as err:  # the actor cannot restart its server: replace it
+                    log.warning("engine %d: restart failed (%s); re-creating its actor", index, err)
+                    url = self._respawn(index)
+            self.router.add_worker(url)
+            self.urls[index] = url
+        if dead and push_weights is not None:
+            indices = sorted(dead)
+            push_weights(EngineView([self.engines[i] for i in indices], indices))
+        self.restarts += len(dead)
+        return {"rollout/engine_restarts": float(self.restarts),
+                "rollout/engines_restarted_now": float(len(dead))}

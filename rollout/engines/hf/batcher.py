@@ -65,6 +65,10 @@ class Request:
     aborted: bool = False
     generator: Optional[torch.Generator] = None
     weight_version: str = ""
+    # Every weight version this request's forward passes ran under, in order: the version
+    # at submission, then one entry per update applied while it was in flight ("N+partial"
+    # for a bucket that was not the last, i.e. a forward pass on half-updated weights).
+    weight_versions: list[str] = field(default_factory=list)
     on_done: Optional[Callable[["Request"], None]] = None
     matched_stop: Optional[str] = None  # the stop string that ended generation
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
@@ -183,6 +187,7 @@ class Batcher:
         self.wakeup.set()
 
     def submit(self, req: Request) -> None:
+        req.weight_versions = [self.weight_version]
         self.waiting.put(req)
         self.wakeup.set()
 
@@ -292,6 +297,12 @@ class Batcher:
             self._finish(r, {"type": "abort", "message": msg})
         self.rows, self._pending = [], []
         self.cache = self.mask = self.pos = self.last = None
+
+    def note_weight_update(self, tag: str) -> None:
+        """Record on every in-flight request that the weights changed under it (runs on
+        the scheduler thread, between forward passes)."""
+        for r in self.rows + self._pending:
+            r.weight_versions.append(tag)
 
     def reset_batch(self, reason: str) -> None:
         """Abort everything running (used before releasing memory)."""

@@ -271,6 +271,7 @@ class Server:
         meta = {"id": req.rid, "finish_reason": req.finish_reason,
                 "prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids),
                 "cached_tokens": req.cached_tokens, "weight_version": req.weight_version,
+                "weight_versions": req.weight_versions or [req.weight_version],
                 "e2e_latency": time.perf_counter() - t0}
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in
@@ -456,6 +457,8 @@ class Server:
         self.batcher.prefix_cache.clear()  # cached KV belongs to the old weights
         if version is not None:
             self.batcher.weight_version = str(version)
+        self.batcher.note_weight_update(self.batcher.weight_version if version is not None
+                                        else f"{self.batcher.weight_version}+partial")
         self.weights_need_update = False
         return {"success": True, "message": f"updated {len(named)} tensors",
                 "weight_version": self.batcher.weight_version}

@@ -36,8 +36,7 @@ def initialize_parallel(train, *, seed: int) -> None:
         tensor_model_parallel_size=train.tensor_model_parallel_size,
         pipeline_model_parallel_size=train.pipeline_model_parallel_size,
         context_parallel_size=train.context_parallel_size,
-        expert_model_parallel_size=train.expert_model_parallel_size,
-        create_gloo_process_groups=False)
+        expert_model_parallel_size=train.expert_model_parallel_size)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
@@ -61,6 +60,7 @@ def transformer_config(hf, train, *, dtype: str, cpu: bool):
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         variable_seq_lengths=True,  # micro-batches differ in shape: send shapes first
+        moe_token_dispatcher_type="alltoall",  # the only one variable_seq_lengths allows
         use_cpu_initialization=cpu,
         perform_initialization=False,  # every weight comes from the HF checkpoint
         # Fused kernels need CUDA (and Apex/TE); they are numerically the same ops.

@@ -1,0 +1,149 @@
+"""The Python API (trainer/api.py): recipe -> Hydra config mapping, shipping user functions
+to Ray workers, datasets, and (slow tier) the seed tutorial example end to end."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer import api
+from trainer.api import (DatasetConfig, NumberGuessCPURecipe, Qwen3_4B, Qwen3_4B_Recipe,
+                         TinyQwen3, TrainConfig)
+from trainer.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cpu_recipe_fields_map_onto_the_hydra_config():
+    cfg = TrainConfig(model=TinyQwen3(), recipe=NumberGuessCPURecipe(
+        num_rollout=3, rollout_batch_size=2, n_samples_per_prompt=4, rollout_max_response_len=16,
+        rollout_temperature=0.7, global_batch_size=4, save_interval=3, eval_interval=None,
+        extra_config={"max_turns": 5, "log_multi_turn": True},
+        apply_chat_template_kwargs='{"enable_thinking": false}',
+        custom_rm_function="envs.number_guess_seed.number_guess_rm",
+        overrides=["warmup.steps=5"])).build()
+    assert cfg.recipe_name == "number_guess_cpu" and cfg.model.path == "tiny-qwen3"
+    assert (cfg.train.num_steps, cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt,
+            cfg.rollout.max_response_len, cfg.rollout.temperature, cfg.train.global_batch_size,
+            cfg.train.save_interval, cfg.eval.interval) == (3, 2, 4, 16, 0.7, 4, 3, None)
+    assert cfg.rollout.extra_config == {"max_turns": 5, "log_multi_turn": True}
+    assert cfg.env.max_turns == 5  # the built-in driver's budget follows max_turns
+    assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
+    assert cfg.rollout.custom_rm_function == "envs.number_guess_seed.number_guess_rm"
+    assert cfg.warmup.steps == 5
+
+
+def test_gpu_recipe_matches_the_cli_composition():
+    from trainer.api import compose_config
+
+    via_api = TrainConfig(model=Qwen3_4B("/models/q4b"), recipe=Qwen3_4B_Recipe()).build()
+    via_cli = compose_config(["+recipe=qwen_4b", "model.path=/models/q4b"])
+    assert via_api == via_cli  # one code path: same Hydra composition, same object
+
+    cfg = TrainConfig(model=Qwen3_4B("/models/q4b"), recipe=Qwen3_4B_Recipe(
+        gpu_type="H100", colocate=False, actor_num_gpus_per_node=4, rollout_num_gpus=4,
+        rollout_num_gpus_per_engine=1, tensor_model_parallel_size=2, sequence_parallel=True,
+        custom_generate_function="envs.number_guess_seed.number_guess_generate")).build()
+    assert cfg.cluster.colocate is False and cfg.train.ranks_per_node == 4
+    assert cfg.rollout.num_gpus == 4 and cfg.cluster.gpus_per_node == 8
+    assert cfg.train.tensor_model_parallel_size == 2 and cfg.train.sequence_parallel
+    assert "gpu:H100" in cfg.logging.wandb_tags
+    assert cfg.model.dtype == "bfloat16"  # the family's settings come with the path
+
+
+def test_config_mistakes_name_the_key():
+    with pytest.raises(ConfigError, match="n_samples_per_prompt"):
+        TrainConfig(recipe=NumberGuessCPURecipe(n_samples_per_prompt=0)).build()
+    with pytest.raises(ConfigError, match="bogus"):
+        TrainConfig(recipe=NumberGuessCPURecipe(overrides=["rollout.bogus=1"])).build()
+    with pytest.raises(ConfigError, match="apply_chat_template_kwargs"):
+        TrainConfig(recipe=NumberGuessCPURecipe(apply_chat_template_kwargs="{not json")).build()
+    with pytest.raises(ConfigError, match="gpu_type"):
+        TrainConfig(recipe=NumberGuessCPURecipe(gpu_type="H100")).build()
+
+
+def test_image_overlay_maps_to_runtime_env_pip_or_is_rejected():
+    recipe = NumberGuessCPURecipe(image_overlay=lambda image: image.pip_install("syllables"),
+                                  pip=["regex"])
+    assert recipe.pip_packages() == ["regex", "syllables"]
+    bad = NumberGuessCPURecipe(image_overlay=lambda image: image.apt_install("ffmpeg"))
+    with pytest.raises(ConfigError, match=r"Recipe\(pip=\[\.\.\.\]\)"):
+        bad.pip_packages()
+
+
+def test_importable_function_is_passed_by_dotted_path():
+    from envs.number_guess_seed import number_guess_rm
+
+    assert api.ship_function(number_guess_rm, "k") == "envs.number_guess_seed:number_guess_rm"
+    assert api.ship_function("pkg.mod.fn", "k") == "pkg.mod.fn"
+    with pytest.raises(ConfigError):
+        api.ship_function(42, "k")
+
+
+def test_notebook_function_is_shipped_by_value_to_ray_workers(ray_local):
+    """A function Ray workers cannot import (defined in a function, like one in __main__)
+    is cloudpickled into the cluster's KV store and loads through the dotted path in any
+    worker, as rollout.args.load_plugin does."""
+    bonus = 0.25
+
+    async def my_rm(args, sample, **kwargs) -> float:
+        return float(len(sample)) + bonus
+
+    path = api.ship_function(my_rm, "recipe.custom_rm_function")
+    assert path.startswith("trainer.api:shipped__my_rm__")
+
+    @ray_local.remote
+    def load_and_call(p):
+        import asyncio
+
+        import trainer.api as a
+        a._SHIPPED.clear()  # a fresh worker would not have it: force the KV path
+        from rollout.args import load_plugin
+
+        fn = load_plugin(p, "rollout.custom_rm_function")
+        return asyncio.run(fn(None, "abc"))
+
+    assert ray_local.get(load_and_call.remote(path)) == 3.25
+
+
+def test_dataset_config_prepares_files(tmp_path):
+    class Rows(DatasetConfig):
+        def load(self, split="all"):
+            t = [1, 3] if split == "train" else [2]
+            return [{"messages": [{"role": "user", "content": "go"}],
+                     "label": json.dumps({"answer": x})} for x in t]
+
+    values = Rows().materialize(tmp_path / "data")
+    assert Path(values["path"]).exists() and Path(values["eval_path"]).exists()
+    from rollout.data import _load_rows
+
+    assert len(_load_rows(values["path"])) == 2 and len(_load_rows(values["eval_path"])) == 1
+    assert values["input_key"] == "messages" and values["label_key"] == "label"
+
+
+@pytest.mark.slow
+def test_seed_example_runs_end_to_end(tmp_path):
+    """examples/number_guess.py --quick: base eval through an endpoint, TrainConfig.launch()
+    (warm-up + 2 RL steps, the script's own reward function shipped from __main__), trained
+    eval through an endpoint, table."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_ADDRESS="")
+    env.pop("RAY_ADDRESS")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "number_guess.py"), "--quick",
+         f"logging.output_dir={tmp_path}", "logging.wandb_mode=disabled"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    summary = json.loads(line[len("RESULT "):])
+    run_dir = Path(summary["run_dir"])
+    assert (Path(summary["checkpoint"]) / "hf" / "config.json").exists()
+    cfg = (run_dir / "config.yaml").read_text()
+    assert "trainer.api:shipped__number_guess_rm__" in cfg  # shipped by value from __main__
+    assert (run_dir / "data" / "train.parquet").exists()
+    for name in ("base", "trained"):
+        assert 0.0 <= summary[name]["success_rate"] <= 1.0
+        assert -2.0 <= summary[name]["mean_reward"] <= 2.0
+    assert "| trained |" in (run_dir / "example_eval_table.md").read_text()

@@ -1,0 +1,116 @@
+"""Fault injection, for real: an engine's server process (and then its Ray actor) dies in
+the middle of a rollout. The step completes with no failed sample (the router and ``post``
+retry the in-flight requests on the other engine), ``EngineGroup.recover`` restarts the
+engine, re-registers it with the router and pushes the current weights, and the restart is
+counted (``rollout/engine_restarts``).
+"""
+
+import asyncio
+import os
+import signal
+
+import pytest
+import ray
+import torch
+
+from rollout.generate import close_session
+from rollout.generate import generate as default_generate
+from rollout.manager import RolloutManagerCore
+from rollout_engines import config
+
+pytestmark = pytest.mark.slow
+
+LONG_TOKENS = 256
+
+
+async def long_generate(args, sample, sampling_params):
+    """The default single-turn generate, always LONG_TOKENS tokens long (ignore_eos), so
+    the rollout is still in flight when the engine is killed."""
+    params = dict(sampling_params, max_new_tokens=LONG_TOKENS, ignore_eos=True)
+    return await default_generate(args, sample, params)
+
+
+async def constant_rm(args, sample, **kwargs):
+    return 1.0
+
+
+@pytest.fixture()
+def group(ray_local, tiny_model_path, tmp_path):
+    from rollout.engines.group import EngineGroup
+
+    g = EngineGroup(config(num_engines=2), model_path=tiny_model_path,
+                    log_dir=str(tmp_path / "engines"))
+    yield g
+    g.shutdown()
+
+
+def _weights(tiny_model_path, value):
+    from safetensors.torch import load_file
+
+    norm = load_file(os.path.join(tiny_model_path, "model.safetensors"))["model.norm.weight"]
+    return [("model.norm.weight", torch.full_like(norm, value))]
+
+
+def _rollout_while(cfg, router_url, fault):
+    """Run one rollout step; call ``fault()`` once it is well under way."""
+    async def go():
+        core = RolloutManagerCore(cfg, router_url)
+        task = asyncio.create_task(core.generate(1))
+        await asyncio.sleep(0.4)
+        assert not task.done(), "rollout finished before the fault: make it longer"
+        await asyncio.get_running_loop().run_in_executor(None, fault)
+        try:
+            return await task
+        finally:
+            await close_session()
+    return asyncio.run(go())
+
+
+def test_engine_dies_mid_rollout_step_completes_and_engine_recovers(group, tiny_model_path):
+    from rollout.engines import checksum
+
+    cfg = config(num_engines=2, rollout_batch_size=4, n_samples_per_prompt=4,
+                 max_response_len=LONG_TOKENS, sample_timeout_s=120.0,
+                 custom_generate_function="test_faults_engine:long_generate",
+                 custom_rm_function="test_faults_engine:constant_rm")
+
+    def push_current(view):
+        # Fresh tensors per push, as the trainer's named_weight_buckets() hands out: a
+        # shared-memory tensor is unlinked once every engine has loaded it.
+        current = _weights(tiny_model_path, 2.0)
+        view.update_weights_from_tensor(current, version="5", checksum=checksum(t for _, t in current))
+
+    push_current(group)
+    assert group.weight_versions() == ["5", "5"]
+
+    # 1. The server process of engine 0 dies mid-rollout.
+    server_pid = ray.get(group.engines[0].pid.remote())
+    batch = _rollout_while(cfg, group.router_url, lambda: os.kill(server_pid, signal.SIGKILL))
+    assert len(batch) == 16 and "failed" not in batch.statuses
+    assert batch.metrics.get("rollout/failed_samples", 0.0) == 0.0
+    assert all(L == LONG_TOKENS for L in batch.response_lengths)
+    assert group.health() == [False, True]
+
+    old_url = group.urls[0]
+    metrics = group.recover(push_weights=push_current)
+    assert metrics["rollout/engine_restarts"] == 1.0
+    assert metrics["rollout/engines_restarted_now"] == 1.0
+    assert group.health() == [True, True]
+    assert group.urls[0] != old_url  # a new server (new port)...
+    assert group.router.healthy_urls() == set(group.urls)  # ...registered, the old one gone
+    assert group.weight_versions() == ["5", "5"]  # and on the current weights
+
+    # 2. Engine 1's Ray actor itself dies (its server follows it): the actor is re-created.
+    batch = _rollout_while(cfg, group.router_url,
+                           lambda: ray.kill(group.engines[1], no_restart=True))
+    assert len(batch) == 16 and batch.metrics.get("rollout/failed_samples", 0.0) == 0.0
+    metrics = group.recover(push_weights=push_current)
+    assert metrics["rollout/engine_restarts"] == 2.0
+    assert group.health() == [True, True]
+    assert group.router.healthy_urls() == set(group.urls)
+    assert group.weight_versions() == ["5", "5"]
+
+    # 3. Nothing dead: recover is a cheap no-op; both engines serve the pushed weights.
+    assert group.recover(push_weights=push_current)["rollout/engines_restarted_now"] == 0.0
+    batch = _rollout_while(cfg, group.router_url, lambda: None)
+    assert set(batch.weight_versions) == {5}

@@ -1,0 +1,130 @@
+"""The endpoint (trainer/serve.py), for real: hf engine + sglang-router + the
+authenticating proxy on loopback."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from trainer.api import Endpoint, TinyQwen3
+from trainer.serve import EndpointError, choose_api_key, resolve_checkpoint, split_args
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-key-0123456789"
+CHAT = {"messages": [{"role": "user", "content": "You are playing a number guessing game."}],
+        "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def endpoint(ray_local):
+    ep = Endpoint.launch(TinyQwen3(), api_key=KEY, num_engines=1, quiet=True)
+    yield ep
+    ep.shutdown()
+
+
+def test_chat_returns_the_message_dict(endpoint):
+    endpoint.wait_until_ready(timeout=60)
+    msg = endpoint.chat([{"role": "user", "content": "hi"}],
+                        chat_template_kwargs={"enable_thinking": False}, temperature=0)
+    assert msg["role"] == "assistant" and isinstance(msg.get("content"), str)
+    full = endpoint.chat_completion([{"role": "user", "content": "hi"}], max_tokens=3)
+    assert full["object"] == "chat.completion" and full["usage"]["completion_tokens"] <= 3
+
+
+def test_api_key_is_required_and_enforced(endpoint):
+    url = endpoint.url + "/v1/chat/completions"
+    assert requests.post(url, json=CHAT, timeout=30).status_code == 401
+    r = requests.post(url, json=CHAT, headers={"Authorization": "Bearer wrong"}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert KEY not in r.text
+    r = requests.post(url, json=CHAT, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert requests.get(endpoint.url + "/v1/models", timeout=10).status_code == 401
+    assert requests.get(endpoint.url + "/health", timeout=10).status_code == 200  # open
+
+
+def test_bad_requests_are_4xx(endpoint):
+    h = {"Authorization": f"Bearer {KEY}"}
+    url = endpoint.url + "/v1/chat/completions"
+    assert requests.post(url, data=b"{not json", headers=h, timeout=10).status_code == 400
+    assert requests.post(url, json={"messages": "hi"}, headers=h, timeout=10).status_code == 400
+    assert requests.post(url, json=[1, 2], headers=h, timeout=10).status_code == 400
+    r = requests.post(url, json={**CHAT, "temperature": -1}, headers=h, timeout=10)
+    assert 400 <= r.status_code < 500, r.text
+    # Admin routes of the engines are not reachable through the public entry.
+    r = requests.post(endpoint.url + "/update_weights_from_disk", json={"model_path": "/x"},
+                      headers=h, timeout=10)
+    assert r.status_code == 404
+    with pytest.raises(EndpointError) as err:
+        endpoint.chat("not a list")
+    assert err.value.status == 400
+
+
+def test_key_never_in_repr_and_generated_key_printed_once(endpoint, capsys, monkeypatch):
+    assert KEY not in repr(endpoint) and "auth=on" in repr(endpoint)
+    monkeypatch.delenv("HOMEGYM_API_KEY", raising=False)
+    assert choose_api_key(True) is None
+    assert choose_api_key(False, "given") == "given"
+    monkeypatch.setenv("HOMEGYM_API_KEY", "from-env")
+    assert choose_api_key(False) == "from-env"
+    assert capsys.readouterr().out == ""  # given keys are never printed
+    monkeypatch.delenv("HOMEGYM_API_KEY")
+    key = choose_api_key(False)
+    out = capsys.readouterr().out
+    assert len(key) > 30 and out.count(key) == 1
+
+
+def test_checkpoint_resolution(tmp_path, tiny_model_path):
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_000002"
+    shutil.copytree(tiny_model_path, step / "hf")
+    (run / "checkpoints" / "latest").symlink_to("step_000002")
+    want = str((step / "hf").resolve())
+    for p in (step, step / "hf", run, run / "checkpoints", run / "checkpoints" / "latest"):
+        assert resolve_checkpoint(p) == want
+    with pytest.raises(FileNotFoundError, match="checkpoint="):
+        resolve_checkpoint(tmp_path / "nothing")
+    assert split_args(["checkpoint=a", "rollout.num_engines=1", "+recipe=x"], ("checkpoint",)) == \
+        ({"checkpoint": "a"}, ["rollout.num_engines=1", "+recipe=x"])
+
+
+@pytest.mark.slow
+def test_serve_cli_serves_a_checkpoint(tmp_path, tiny_model_path):
+    """`python -m trainer.serve checkpoint=<run dir>`: the key comes from HOMEGYM_API_KEY
+    and is never printed; Ctrl-C (SIGINT) shuts everything down."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_model_path, run / "checkpoints" / "step_000001" / "hf")
+    (run / "checkpoints" / "latest").symlink_to("step_000001")
+    env = dict(os.environ, HOMEGYM_API_KEY="cli-secret-key", OMP_NUM_THREADS="1")
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.serve", f"checkpoint={run}", "port=0",
+                             "rollout.num_engines=1"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        url = None
+        deadline = time.monotonic() + 240
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("homegym: serving "):
+                url = line.split(" at ")[1].split("/v1/")[0]
+        assert url, "".join(lines)
+        r = requests.post(url + "/v1/chat/completions", json=CHAT,
+                          headers={"Authorization": "Bearer cli-secret-key"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert requests.post(url + "/v1/chat/completions", json=CHAT, timeout=10).status_code == 401
+    finally:
+        proc.send_signal(2)
+        out, _ = proc.communicate(timeout=60)
+        lines.append(out)
+    text = "".join(lines)
+    assert proc.returncode == 0, text[-3000:]
+    assert "cli-secret-key" not in text
