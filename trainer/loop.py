@@ -12,6 +12,7 @@ the base-vs-trained evaluation table.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -187,8 +188,10 @@ class Driver:
         groups: dict[int, Any] = {}
         for gid, label in zip(batch.group_ids, batch.labels):
             groups.setdefault(gid, label)
+        digest = hashlib.sha256(json.dumps(batch.tokens).encode()).hexdigest()[:16]
         with open(self.run_dir / "data_order.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "labels": list(groups.values())}, default=str) + "\n")
+            f.write(json.dumps({"step": step, "labels": list(groups.values()),
+                                "tokens_sha256": digest}, default=str) + "\n")
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self) -> None:
@@ -356,10 +359,13 @@ def filter_stale(batch, *, version: int, max_staleness: int, drop: bool):
     metrics["async/stale_samples"] = float(sum(g in stale_groups for g in batch.group_ids))
     if not drop or not stale_groups:
         metrics["async/dropped_stale_samples"] = 0.0
+        metrics["async/trained_max_staleness"] = metrics["async/max_staleness"]
         return batch, metrics
     keep = [i for i, g in enumerate(batch.group_ids) if g not in stale_groups]
     fields = {name: [getattr(batch, name)[i] for i in keep]
               for name in ("tokens", "response_lengths", "loss_masks", "rollout_log_probs",
                            "rewards", "group_ids", "weight_versions", "statuses", "labels")}
     metrics["async/dropped_stale_samples"] = float(len(batch) - len(keep))
+    metrics["async/trained_max_staleness"] = float(max(
+        (d for d, g in zip(staleness, batch.group_ids) if g not in stale_groups), default=0))
     return RolloutBatch(**fields, metrics=batch.metrics), metrics

@@ -77,6 +77,9 @@ class _FanOut:
     def flush_cache(self) -> list:
         return self._all("flush_cache")
 
+    def server_infos(self) -> list[dict]:
+        return self._all("server_info")
+
     def weight_versions(self) -> list[str]:
         return self._all("weight_version")
 

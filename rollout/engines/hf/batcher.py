@@ -160,6 +160,7 @@ class Batcher:
         self.controls: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self.wakeup = threading.Event()
         self.paused = False
+        self.partial_update = False  # between a non-final and the final bucket of an update
         self.released = False
         self._stop = False
         self._pending: list[Request] = []  # admitted from `waiting` but not yet prefilled
@@ -233,11 +234,15 @@ class Batcher:
                         t0 = time.perf_counter()
                         admit, self._pending = self._pending[:room], self._pending[room:]
                         for chunk in self._prefill_chunks(admit):
+                            if self.partial_update:
+                                self._note_partial_pass(chunk)
                             self._prefill(chunk)
                             self.stats["prefills"] += 1
                         self.stats["prefill_s"] += time.perf_counter() - t0
                 if self.rows:
                     t0 = time.perf_counter()
+                    if self.partial_update:
+                        self._note_partial_pass(self.rows)
                     self._decode()
                     self.stats["decode_s"] += time.perf_counter() - t0
             except Exception as exc:  # never leave clients hanging on an internal error
@@ -298,11 +303,20 @@ class Batcher:
         self.rows, self._pending = [], []
         self.cache = self.mask = self.pos = self.last = None
 
-    def note_weight_update(self, tag: str) -> None:
-        """Record on every in-flight request that the weights changed under it (runs on
-        the scheduler thread, between forward passes)."""
-        for r in self.rows + self._pending:
-            r.weight_versions.append(tag)
+    def note_weight_update(self, version: Optional[str]) -> None:
+        """Called on the scheduler thread after a bucket is applied. ``version`` None: a
+        non-final bucket, the weights are half-updated until the last one lands."""
+        self.partial_update = version is None
+        if version is not None:
+            for r in self.rows + self._pending:
+                r.weight_versions.append(version)
+
+    def _note_partial_pass(self, reqs: list[Request]) -> None:
+        # A forward pass on half-updated weights: record it on every request it served.
+        tag = f"{self.weight_version}+partial"
+        for r in reqs:
+            if r.weight_versions[-1:] != [tag]:
+                r.weight_versions.append(tag)
 
     def reset_batch(self, reason: str) -> None:
         """Abort everything running (used before releasing memory)."""

@@ -457,8 +457,7 @@ class Server:
         self.batcher.prefix_cache.clear()  # cached KV belongs to the old weights
         if version is not None:
             self.batcher.weight_version = str(version)
-        self.batcher.note_weight_update(self.batcher.weight_version if version is not None
-                                        else f"{self.batcher.weight_version}+partial")
+        self.batcher.note_weight_update(None if version is None else self.batcher.weight_version)
         self.weights_need_update = False
         return {"success": True, "message": f"updated {len(named)} tensors",
                 "weight_version": self.batcher.weight_version}
