@@ -398,6 +398,9 @@ class RolloutManagerCore:
             logger.warning("step %d: only %d of %d groups passed (launched %d, filtered %d, "
                            "failed %d)", step, len(accepted), want, stats.launched,
                            stats.filtered_groups, stats.failed_groups)
+        # Groups finish in whatever order the engines serve them; train in launch order so
+        # a step's batch is a function of the data order and the weights alone.
+        accepted.sort(key=lambda g: g[0].group_index)
         samples = [s for g in accepted for s in g]
         elapsed = time.perf_counter() - t0
         metrics = summarize(samples, "rollout")

@@ -40,6 +40,7 @@ def test_write_results_table(tmp_path):
     assert (tmp_path / "t" / "eval.json").exists() and (tmp_path / "t" / "0_base.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_base_vs_checkpoint_side_by_side(ray_local, tmp_path, tiny_model_path):
     run = _fake_run(tmp_path, tiny_model_path)
     results = evaluate_models(["base", str(run)], SMALL, quiet=True)

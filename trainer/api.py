@@ -131,7 +131,9 @@ def ship_function(fn: Union[str, Callable, None], key: str) -> Optional[str]:
     from ray.experimental.internal_kv import _internal_kv_put
 
     if not ray.is_initialized():
-        raise RuntimeError(f"{key}: shipping a function by value needs Ray (call connect first)")
+        raise RuntimeError(f"{key}: {getattr(fn, '__qualname__', fn)!r} is not importable by Ray "
+                           "workers, so it is shipped by value, which needs a running Ray "
+                           "cluster (TrainConfig.launch() connects first)")
     blob = cloudpickle.dumps(fn)
     digest = hashlib.sha256(blob).hexdigest()[:20]
     name = "".join(c if c.isalnum() else "_" for c in getattr(fn, "__name__", "fn")).strip("_")
@@ -139,6 +141,15 @@ def ship_function(fn: Union[str, Callable, None], key: str) -> Optional[str]:
     _internal_kv_put(f"fn:{digest}".encode(), blob, overwrite=True, namespace=_KV_NAMESPACE)
     _SHIPPED[attr] = fn
     return f"trainer.api:{attr}"
+
+
+def _ship_or_describe(fn: Union[str, Callable, None], key: str) -> Optional[str]:
+    """For ``build()`` without Ray: a by-value function gets a placeholder path."""
+    import ray
+
+    if fn is None or isinstance(fn, str) or _importable_path(fn) is not None or ray.is_initialized():
+        return ship_function(fn, key)
+    return f"trainer.api:{_SHIP_PREFIX}{getattr(fn, '__name__', 'fn')}__not_shipped_yet"
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: resolves shipped functions inside workers
@@ -475,7 +486,7 @@ class TrainConfig:
         function must be shipped by value)."""
         overrides, values = self._base()
         composed = compose_config(overrides, values)
-        recipe_values = self.recipe.values(composed, ship=ship or ship_function)
+        recipe_values = self.recipe.values(composed, ship=ship or _ship_or_describe)
         merged = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(values),
                                                         OmegaConf.create(recipe_values)))
         if self.run_name:

@@ -101,7 +101,8 @@ class Driver:
         try:
             if start_step == 0:
                 if cfg.warmup.steps > 0:
-                    self.evaluate("initial", step=0)
+                    if cfg.eval.before_and_after:
+                        self.evaluate("initial", step=0)
                     self.warmup()
                 else:
                     self.sync.push(version=0)  # engines report numbered policy versions
