@@ -19,7 +19,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # Paths that never belong in a job's working_dir upload.
-EXCLUDES = [".venv", ".cache", "outputs", "wandb", ".git", "**/__pycache__", "*.egg-info"]
+EXCLUDES = [".venv", ".cache", "outputs", "wandb", ".git", "**/__pycache__", "*.egg-info",
+            ".pytest_cache"]
 # Forwarded by default when set: credentials and the knobs that steer logging.
 DEFAULT_ENV = ["WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_ENTITY", "HF_HOME", "HOMEGYM_CACHE"]
 
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="homegym extras to pip-install on the workers (e.g. gpu)")
     parser.add_argument("--env", action="append", default=[],
                         help="environment variable to pass through (value taken from this shell)")
+    parser.add_argument("--python", default="python",
+                        help="interpreter the job's entrypoint runs with on the head node "
+                             "(default: `python` on the PATH of the node's `ray start`)")
     parser.add_argument("--no-wait", action="store_true", help="return after submitting")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for trainer.main")
     args = parser.parse_args(argv)
@@ -59,9 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     runtime_env = build_runtime_env(pip_extras=args.pip_extra, env_names=args.env)
-    entrypoint = "python -m trainer.main " + " ".join(shlex.quote(o) for o in args.overrides)
+    entrypoint = (f"{shlex.quote(args.python)} -m trainer.main "
+                  + " ".join(shlex.quote(o) for o in args.overrides))
     client = JobSubmissionClient(args.address)
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+    job_id = _submit(client, entrypoint, runtime_env)
     print(f"submitted {job_id}: {entrypoint}\nruntime_env: {describe(runtime_env)}")
     if args.no_wait:
         return 0
@@ -70,6 +75,20 @@ def main(argv: list[str] | None = None) -> int:
     status = client.get_job_status(job_id)
     print(f"\njob {job_id}: {status}")
     return 0 if status == JobStatus.SUCCEEDED else 1
+
+
+def _submit(client, entrypoint: str, runtime_env: dict, wait_s: float = 120.0) -> str:
+    """Submit, retrying while a freshly started head has no job agent yet."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+        except RuntimeError as err:
+            if "no available agent" not in str(err).lower() or time.monotonic() > deadline:
+                raise
+            time.sleep(2)
 
 
 def _tail(client, job_id):

@@ -307,6 +307,34 @@ def test_api_key(tiny_model_path, tmp_path):
         eng.shutdown()
 
 
+def test_grpo_group_shares_prefill_and_prefix_cache(engine, ref_model):
+    """n samples of one prompt (a GRPO group): the burst's prefill computes the prompt once
+    for all rows, and samples that made the same first move each find the (shared) prefix
+    KV on their next turn. Log-probs stay exact in both turns."""
+    engine.flush_cache()
+    p = prompts(1, lo=30, hi=31, seed=5)[0]
+
+    def turn(batch, new_tokens, temperature):
+        with ThreadPoolExecutor(len(batch)) as pool:
+            return list(pool.map(lambda q: gen(engine, {
+                "input_ids": q, "return_logprob": True, "sampling_params": {
+                    "max_new_tokens": new_tokens, "temperature": temperature,
+                    "ignore_eos": True}}), batch))
+
+    first = turn([p] * 4, 3, 0.0)  # greedy: four identical moves
+    assert len({tuple(o["output_ids"]) for o in first}) == 1
+    got = torch.tensor([lp for lp, _, _ in first[0]["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, fresh_logprobs(ref_model, p, first[0]["output_ids"], 0.0),
+                          atol=1e-4)
+    nxt = [p + o["output_ids"] + [7 + i, 8] for i, o in enumerate(first)]
+    second = turn(nxt, 4, 0.9)
+    for p2, o2 in zip(nxt, second):
+        assert o2["meta_info"]["cached_tokens"] == len(p) + 3 - 1
+        got = torch.tensor([lp for lp, _, _ in o2["meta_info"]["output_token_logprobs"]])
+        want = fresh_logprobs(ref_model, p2, o2["output_ids"], 0.9)
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
 def test_multiturn_prefix_cache_matches_fresh_forward(engine, ref_model):
     """Turn 2's prompt extends turn 1's sequence: its KV comes from the prefix cache, mixed
     in one prefill with rows of other cached lengths, and log-probs stay exact."""

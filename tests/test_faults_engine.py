@@ -67,18 +67,20 @@ def _rollout_while(cfg, router_url, fault):
 
 
 def test_engine_dies_mid_rollout_step_completes_and_engine_recovers(group, tiny_model_path):
-    from rollout.engines import checksum
+    from trainer.weights import WeightSync
 
     cfg = config(num_engines=2, rollout_batch_size=4, n_samples_per_prompt=4,
                  max_response_len=LONG_TOKENS, sample_timeout_s=120.0,
                  custom_generate_function="test_faults_engine:long_generate",
                  custom_rm_function="test_faults_engine:constant_rm")
 
+    class Policy:  # the trainer side: hands out fresh weight buckets, like TrainGroup
+        def named_weight_buckets(self, bucket_bytes):
+            return [_weights(tiny_model_path, 2.0)]
+
     def push_current(view):
-        # Fresh tensors per push, as the trainer's named_weight_buckets() hands out: a
-        # shared-memory tensor is unlinked once every engine has loaded it.
-        current = _weights(tiny_model_path, 2.0)
-        view.update_weights_from_tensor(current, version="5", checksum=checksum(t for _, t in current))
+        # The very push the driver makes (Runtime.recover_engines): WeightSync over a view.
+        WeightSync(cfg, Policy(), view).push(version=5)
 
     push_current(group)
     assert group.weight_versions() == ["5", "5"]

@@ -94,7 +94,10 @@ class CheckpointManager:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-        except OSError as err:
+        except KeyboardInterrupt:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        except Exception as err:  # a full disk surfaces as RuntimeError from torch.save too
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"saving checkpoint step {step} to {final} failed: {err}. "
                                   "The previous checkpoint is intact.") from err

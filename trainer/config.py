@@ -201,6 +201,9 @@ class TrainConfig:
     seed: int = 1234
     save_interval: Optional[int] = None  # steps between checkpoints; null = only at end
     resume: str = "auto"  # auto | never | <checkpoint dir>
+    # On the first Ctrl-C / SIGTERM finish the current step, save, then stop (a second
+    # signal stops at once). False: stop at once.
+    save_on_interrupt: bool = True
     weight_bucket_mb: int = 64  # weight sync bucket size
     # Megatron parallelism (ignored by fsdp).
     tensor_model_parallel_size: int = 1

@@ -91,12 +91,14 @@ class Driver:
         self._prefetched: list[tuple[int, Any]] = []  # restored from a checkpoint
         self.logger: MetricsLogger | None = None
         self.evals: dict[str, dict[str, float]] = {}
+        self.policy_version: int | None = None  # the version the engines hold
 
     # ------------------------------------------------------------------ the run
     def run(self) -> RunResult:
         cfg = self.config
         start_step = self.resume()
         self.logger = MetricsLogger(cfg, self.run_dir, total_steps=cfg.train.num_steps)
+        self.rt.defer_stop = cfg.train.save_on_interrupt
         metrics: dict[str, float] = {}
         try:
             if start_step == 0:
@@ -105,16 +107,24 @@ class Driver:
                         self.evaluate("initial", step=0)
                     self.warmup()
                 else:
-                    self.sync.push(version=0)  # engines report numbered policy versions
+                    self.push_weights(0)  # engines report numbered policy versions
                 if cfg.eval.before_and_after:
                     self.evaluate("base", step=0)
             steps = self.colocated_steps if cfg.cluster.colocate else self.async_steps
             for step, metrics in steps(start_step):
                 self.logger.log(step, metrics)
-                if cfg.train.save_interval and step % cfg.train.save_interval == 0:
+                saved = bool(cfg.train.save_interval and step % cfg.train.save_interval == 0)
+                if saved:
                     self.save(step)
                 if cfg.eval.interval and step % cfg.eval.interval == 0:
                     self.evaluate(f"step_{step}", step=step)
+                if self.rt.stop_requested:  # Ctrl-C / SIGTERM: keep this step, then stop
+                    if not saved:
+                        self.save(step)
+                    print(f"stopped after step {step}; resume with "
+                          f"logging.run_name={self.run_dir.name}", flush=True)
+                    return RunResult(run_dir=self.run_dir, steps=step, evals=self.evals,
+                                     final_metrics=metrics)
             last = cfg.train.num_steps
             if start_step < last and not (cfg.train.save_interval
                                           and last % cfg.train.save_interval == 0):
@@ -133,15 +143,19 @@ class Driver:
         for step in range(start_step + 1, self.config.train.num_steps + 1):
             metrics: dict[str, float] = {}
             with timed(metrics, "perf/step_time"):
+                # A dead engine is restarted and given the current weights before and after
+                # generation (the router already moved its in-flight requests elsewhere).
+                metrics.update(rt.recover_engines(self.policy_version))
                 with timed(metrics, "perf/rollout_time"):
                     batch = ray.get(rt.manager.generate.remote(step))
+                metrics.update(rt.recover_engines(self.policy_version))
                 if len(batch):
                     rt.engines.release_memory()
                     rt.train_group.onload()
                     metrics.update(self.train(step, batch))
                     rt.train_group.offload()
                     rt.engines.resume_memory()
-                    metrics.update(self.sync.push(version=step))
+                    metrics.update(self.push_weights(step))
             yield step, {**batch.metrics, **metrics}
 
     def async_steps(self, start_step: int) -> Iterator[tuple[int, dict[str, float]]]:
@@ -169,13 +183,18 @@ class Driver:
                         metrics.update(self.train(step, batch))
                         pause = "in_place" if cfg.rollout.update_in_flight == "pause" else "abort"
                         rt.engines.pause_generation(mode=pause)
-                        metrics.update(self.sync.push(version=step))
+                        metrics.update(self.push_weights(step))
                         rt.engines.continue_generation()
                     version = step
                 yield step, {**batch.metrics, **metrics}
         finally:
             pipeline.close()
             self._pipeline = None
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        metrics = self.sync.push(version=version)
+        self.policy_version = version
+        return metrics
 
     def train(self, step: int, batch) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -217,7 +236,7 @@ class Driver:
             if (i + 1) % max(1, cfg.steps // 10) == 0 or i + 1 == cfg.steps:
                 print(f"warm-up step {i + 1}/{cfg.steps} | nll {m.get('train/sft_loss', float('nan')):.4f}"
                       f" | {time.perf_counter() - start:.1f}s", flush=True)
-        self.sync.push(version=0)
+        self.push_weights(0)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, name: str, *, step: int) -> dict[str, float]:
@@ -267,7 +286,7 @@ class Driver:
         ray.get(self.rt.manager.load_state_dict.remote(resumed.rollout_state["manager"]))
         self._prefetched = list(resumed.rollout_state.get("prefetched", []))
         self.evals = dict(resumed.meta.get("evals", {}))
-        self.sync.push(version=resumed.step)
+        self.push_weights(resumed.step)
         print(f"resumed from {path} at step {resumed.step}", flush=True)
         return resumed.step
 

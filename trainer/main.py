@@ -29,12 +29,18 @@ def run(config: HomegymConfig) -> dict:
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
+    from trainer.checkpoint import CheckpointError
+
     try:
         config = build_config(cfg)
     except ConfigError as err:
         print(f"homegym: invalid config: {err}", file=sys.stderr)
         sys.exit(2)
-    run(config)
+    try:
+        run(config)
+    except CheckpointError as err:
+        print(f"homegym: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,9 @@ class MetricsLogger:
             project=config.logging.wandb_project, group=config.logging.wandb_group,
             name=name, tags=list(config.logging.wandb_tags), id=run_id, resume="allow",
             mode=config.logging.wandb_mode, dir=str(self.run_dir),
-            config=redact(to_dict(config)), settings=wandb.Settings(silent=True))
+            config=redact(to_dict(config)),
+            # x_disable_meta: wandb would otherwise record sys.argv, secrets in overrides too.
+            settings=wandb.Settings(silent=True, x_disable_meta=True))
 
     @property
     def wandb_run_id(self) -> str | None:

@@ -40,7 +40,7 @@ class Placement:
 
     def __init__(self, config, *, cpus_per_gpu_bundle: int = 1, timeout_s: float = 120.0) -> None:
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
 
         self.config = config
         cluster, rollout = config.cluster, config.rollout
@@ -63,8 +63,16 @@ class Placement:
         bundle = {"GPU": 1, "CPU": cpus_per_gpu_bundle} if self.gpu else {"CPU": 1}
         # PACK: fill a node before the next, so an engine's GPUs and NVLink peers share one.
         self.pg = placement_group([dict(bundle) for _ in range(self.num_slots)], strategy="PACK")
-        ray.get(self.pg.ready(), timeout=timeout_s)
+        try:
+            ray.get(self.pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            raise RuntimeError(
+                f"placement: {self.num_slots} bundles of {bundle} not available within "
+                f"{timeout_s:.0f}s; the cluster has {ray.available_resources()} free. Check "
+                "cluster.num_nodes / cluster.gpus_per_node against `ray status`.") from None
         self._slot_to_bundle = self._sorted_bundles()
+        self._check_engines_on_one_node()
 
     def _sorted_bundles(self) -> list[int]:
         """Bundle indices ordered by (node, GPU id): slot s -> bundle index."""
@@ -87,6 +95,32 @@ class Placement:
             for b in range(self.num_slots)])
         self._bundle_gpu = dict(enumerate(infos))
         return sorted(range(self.num_slots), key=lambda b: (infos[b], b))
+
+    def node_of_slot(self, slot: int) -> str:
+        """Ray node id holding bundle slot ``slot``."""
+        from ray.util.placement_group import placement_group_table
+
+        nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
+        return nodes.get(self._slot_to_bundle[slot], "")
+
+    def _check_engines_on_one_node(self) -> None:
+        """An engine's GPUs (tensor parallel over NVLink) must share a node. PACK fills
+        nodes in order, but a node with GPUs already taken by something else can leave a
+        partial run of bundles, so an engine would straddle two nodes: refuse that."""
+        if self.gpus_per_engine <= 1:
+            return
+        from ray.util.placement_group import placement_group_table, remove_placement_group
+
+        nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
+        for index in range(self.num_engines):
+            spread = {nodes.get(self._slot_to_bundle[s]) for s in self.engine_slots(index)}
+            if len(spread) > 1:
+                remove_placement_group(self.pg)
+                raise RuntimeError(
+                    f"placement: engine {index} would span nodes {sorted(map(str, spread))}: "
+                    f"the placement group got a number of GPUs per node that is not a multiple "
+                    f"of rollout.num_gpus_per_engine={self.gpus_per_engine} (GPUs busy with "
+                    "other work?). Free whole nodes or lower num_gpus_per_engine.")
 
     # ------------------------------------------------------------------ strategies
     def _strategy(self, slot: int):

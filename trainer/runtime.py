@@ -34,21 +34,59 @@ def worker_env(config: HomegymConfig) -> dict[str, str]:
     return env
 
 
+def _job_env_vars() -> dict:
+    """Env vars of the Ray job this driver runs in (empty outside a job)."""
+    import json
+
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return {}
+    try:
+        return dict((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {})
+    except (ValueError, AttributeError):
+        return {}
+
+
 def connect_ray(config: HomegymConfig) -> bool:
     """Join the configured cluster or start a local one. Returns True if we started it."""
     if ray.is_initialized():
         return False
     address = config.cluster.address or os.environ.get("RAY_ADDRESS")
-    runtime_env = {"env_vars": worker_env(config)}
+    env_vars = worker_env(config)
+    # Inside a Ray job (scripts/submit.py, `ray job submit`) the job's runtime_env already
+    # reaches every worker; Ray refuses a driver runtime_env that sets one of its env var
+    # keys again, so the job's values win and only the missing keys are added.
+    for key in _job_env_vars():
+        env_vars.pop(key, None)
+    runtime_env = {"env_vars": env_vars}
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         return False
     # Logical CPUs: engines and training ranks share bundles when colocated and mostly wait
     # on each other, so the local instance advertises at least what the layout needs.
     needed = max(os.cpu_count() or 1, config.num_engines + config.train.world_size + 2)
-    ray.init(num_cpus=needed, include_dashboard=False, runtime_env=runtime_env,
-             log_to_driver=True)
+    # address="local": always a new instance of our own. Without it Ray joins whatever
+    # cluster it finds on this machine (a `ray start --head`, another run's), which is
+    # neither what the user asked for nor compatible with num_cpus.
+    ray.init(address="local", num_cpus=needed, include_dashboard=False,
+             runtime_env=runtime_env, log_to_driver=True)
     return True
+
+
+def _hold_signals() -> dict:
+    """Ignore SIGINT/SIGTERM (main thread only); returns the handlers to restore."""
+    held = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            held[sig] = signal.signal(sig, signal.SIG_IGN)
+        except ValueError:  # not the main thread
+            pass
+    return held
+
+
+def _release_signals(held: dict) -> None:
+    for sig, handler in held.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _progress(message: str) -> None:
@@ -64,7 +102,13 @@ class Runtime:
         self.train_group = None
         self.manager = None
         self._started_ray = False
-        self._old_sigterm = None
+        self._old_handlers: dict = {}
+        # Graceful stop: when the driver sets ``defer_stop`` (it then checks
+        # ``stop_requested`` at every step boundary, saves a checkpoint and returns), the
+        # first Ctrl-C / SIGTERM only sets ``stop_requested``; a second one stops at once.
+        # Without it, the first signal unwinds immediately (KeyboardInterrupt).
+        self.defer_stop = False
+        self.stop_requested = False
 
     def __enter__(self) -> "Runtime":
         from rollout.engines.group import EngineGroup
@@ -72,7 +116,7 @@ class Runtime:
         from trainer.placement import Placement
         from trainer.train_group import TrainGroup
 
-        self._install_sigterm()
+        self._install_signal_handlers()
         try:
             self._started_ray = connect_ray(self.config)
             self.placement = Placement(self.config)
@@ -92,8 +136,39 @@ class Runtime:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def recover_engines(self, policy_version: Optional[int]) -> dict[str, float]:
+        """Restart engines that died (server or actor), re-register them with the router
+        and load the policy the others serve; returns ``rollout/engine_restarts`` (run
+        total) and ``rollout/engines_restarted_now``.
+
+        ``policy_version``: the version of the last weight push (None before the first:
+        a restarted engine then already serves the base model it loads at start-up).
+        Call between rollouts -- the driver does so before each rollout and right after
+        it, before any call that needs every engine (release_memory, weight push)."""
+        from trainer.weights import WeightSync
+
+        def push(view) -> None:
+            if policy_version is not None:
+                WeightSync(self.config, self.train_group, view, mode="tensor").push(
+                    version=policy_version)
+
+        return self.engines.recover(push_weights=push)
+
     def close(self) -> None:
-        """Stop everything that was started, newest first; safe to call twice."""
+        """Stop everything that was started, newest first; safe to call twice.
+
+        A second Ctrl-C / SIGTERM while tearing down is ignored (it would otherwise abort
+        the teardown half-way and leave engine servers, the router or Ray behind)."""
+        held = _hold_signals()
+        try:
+            self._close()
+        finally:
+            _release_signals(held)
+            for sig, previous in self._old_handlers.items():
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+            self._old_handlers = {}
+
+    def _close(self) -> None:
         for name in ("manager", "train_group", "engines", "placement"):
             part = getattr(self, name)
             if part is None:
@@ -109,16 +184,21 @@ class Runtime:
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
             self._started_ray = False
-        if self._old_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._old_sigterm)
-            self._old_sigterm = None
 
-    def _install_sigterm(self) -> None:
-        # SIGTERM (ray job stop, kill, a scheduler) unwinds like Ctrl-C so `close` runs.
+    def _install_signal_handlers(self) -> None:
+        """SIGTERM (ray job stop, kill, a scheduler) and SIGINT (Ctrl-C) unwind the driver
+        so that ``close`` runs -- or, with ``defer_stop``, first ask for a stop at the end
+        of the current step."""
         def handler(signum: int, frame: Optional[FrameType]) -> None:
+            if self.defer_stop and not self.stop_requested:
+                self.stop_requested = True
+                _progress(f"{signal.Signals(signum).name}: finishing the current step, then "
+                          "checkpoint and exit (send it again to stop now)")
+                return
             raise KeyboardInterrupt(f"signal {signum}")
 
-        try:
-            self._old_sigterm = signal.signal(signal.SIGTERM, handler)
-        except ValueError:  # not the main thread (e.g. inside a Ray task): nothing to do
-            self._old_sigterm = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old_handlers[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread (e.g. inside a Ray task): nothing to do
+                pass

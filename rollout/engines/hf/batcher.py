@@ -91,6 +91,9 @@ class PrefixCache:
         self.entries: "OrderedDict[tuple, list]" = OrderedDict()
         self.sizes: dict[tuple, int] = {}
         self.length_counts: dict[int, int] = {}
+        # Several finished sequences can have the same tokens (GRPO samples of one prompt
+        # that made the same first move): one KV, counted, so each continuation hits.
+        self.refs: dict[tuple, int] = {}
         self.bytes = 0
         self.hits = 0
         self.hit_tokens = 0
@@ -99,10 +102,12 @@ class PrefixCache:
         self.entries.clear()
         self.sizes.clear()
         self.length_counts.clear()
+        self.refs.clear()
         self.bytes = 0
 
     def _drop(self, key: tuple) -> list:
         kv = self.entries.pop(key)
+        self.refs.pop(key, None)
         self.bytes -= self.sizes.pop(key)
         n = self.length_counts[len(key)] - 1
         if n:
@@ -115,8 +120,10 @@ class PrefixCache:
         size = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
         if size > self.max_bytes:
             return
-        if tokens in self.entries:
-            self._drop(tokens)
+        if tokens in self.entries:  # same tokens, same KV: count it instead
+            self.refs[tokens] = self.refs.get(tokens, 1) + 1
+            self.entries.move_to_end(tokens)
+            return
         self.entries[tokens] = kv
         self.sizes[tokens] = size
         self.length_counts[len(tokens)] = self.length_counts.get(len(tokens), 0) + 1
@@ -137,6 +144,10 @@ class PrefixCache:
             if key in self.entries:
                 self.hits += 1
                 self.hit_tokens += length
+                refs = self.refs.get(key, 1)
+                if refs > 1:  # shared: readers copy it (prefill), never write it
+                    self.refs[key] = refs - 1
+                    return length, self.entries[key]
                 return length, self._drop(key)
         return None
 
@@ -393,7 +404,7 @@ class Batcher:
                         v[i, :, P - plen[i]:] = past[1][li][1]
                 layers.append(GrowingLayer(k, v, spare=S))
             cache.layers = layers
-        logits, cache = self._forward(ids, mask, pos, cache)
+        logits, cache = self._forward_dedup(reqs, ids, mask, pos, cache, P)
         for r in reqs:
             if r.seed is not None:
                 r.generator = torch.Generator().manual_seed(int(r.seed))
@@ -407,6 +418,24 @@ class Batcher:
         cache = self._select_cache(cache, idx) if len(survivors) < b else cache
         mask, new_pos, tokens = mask[idx], new_pos[idx], tokens[idx]
         self._merge(reqs, cache, mask, new_pos, tokens)
+
+    def _forward_dedup(self, reqs, ids, mask, pos, cache, P: int):
+        """Prefill forward that computes each distinct prompt once. GRPO sends every prompt
+        n times (and a game's first turn is the same text for all episodes): without a
+        cached prefix (P == 0), rows with equal input_ids have equal ids/mask/pos, so one
+        forward row per distinct prompt, expanded to all its rows, is exact."""
+        if P == 0 and len(reqs) > 1:
+            slot: dict[tuple, int] = {}
+            inv = [slot.setdefault(tuple(r.input_ids), len(slot)) for r in reqs]
+            if len(slot) < len(reqs):
+                first = torch.tensor([inv.index(j) for j in range(len(slot))], dtype=torch.long)
+                inv_t = torch.tensor(inv, dtype=torch.long)
+                logits, cache = self._forward(ids[first], mask[first], pos[first], cache)
+                for layer in self._layers(cache):
+                    layer.keys = layer.keys.index_select(0, inv_t)
+                    layer.values = layer.values.index_select(0, inv_t)
+                return logits.index_select(0, inv_t), cache
+        return self._forward(ids, mask, pos, cache)
 
     def _decode(self) -> None:
         self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=torch.long)], 1)

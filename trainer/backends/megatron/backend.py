@@ -129,6 +129,7 @@ class MegatronBackend:
 
         gpt = M.build_gpt(self.hf, self.tconfig, use_te=self.use_te, padded_vocab=self.padded_vocab)
         gpt.to(self.device)
+        M.freeze_padding_embedding(gpt, getattr(self.hf, "pad_token_id", None))
         M.load_hf_weights(gpt, self.hf, self.ckpt, te_names=self.use_te,
                           padded_vocab=self.padded_vocab)
         if not trainable:
@@ -276,7 +277,10 @@ class MegatronBackend:
 
     def _all_reduce_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         """Sum over DP ranks of the last stage's metrics (TP ranks hold identical copies)."""
-        keys = sorted(self.config_metric_keys | set(sums))
+        keys = sorted(self.config_metric_keys)
+        unknown = set(sums) - set(keys)
+        if unknown:  # every rank must all-reduce the same vector: keep the list complete
+            raise RuntimeError(f"metrics {sorted(unknown)} missing from config_metric_keys")
         contributes = self.is_last and self.tp_rank == 0
         flat = torch.tensor([float(sums[k]) if (contributes and k in sums) else 0.0
                              for k in keys], dtype=torch.float64)
@@ -317,7 +321,8 @@ class MegatronBackend:
         old = pre if len(ranges) > 1 else None
         from trainer.backends.fsdp import FSDPBackend
 
-        advantages = FSDPBackend._advantages(self, batch, flat_mbs, pre, ref)  # type: ignore[arg-type]
+        # The FSDP method only needs config/device and all-reduces over all ranks.
+        advantages = FSDPBackend._advantages(self, batch, flat_mbs, pre, ref)  # type: ignore
 
         sums: dict[str, torch.Tensor] = {}
         grad_norms, lrs = [], []
@@ -459,18 +464,21 @@ class MegatronBackend:
         return list(getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer])
 
     def save(self, path: str) -> None:
-        """Per-rank files: model shard, optimizer (params groups + this rank's shard of the
-        distributed optimizer state), counters and RNG. Reload needs the same layout."""
+        """Per-rank files: model shard, this rank's optimizer shard, counters and RNG.
+        Reloading needs the same (TP, PP, DP) layout; HF export is the portable format."""
         os.makedirs(path, exist_ok=True)
         state = {"model": self.gpt.state_dict(), "optimizer_steps": self.optimizer_steps,
                  "sft_steps": self.sft_steps, "cpu_rng": torch.get_rng_state(),
                  "layout": (self.tp_size, self.pp_size, self.dp_size)}
+        # Per rank, the inner torch optimizer over this rank's main-parameter shards: its
+        # state_dict (Adam moments, steps) plus the main parameters themselves (fp32
+        # copies under bf16; views of the model's buffer under fp32). megatron-core's own
+        # dp-reshardable save/load pair does not round-trip in 0.16.1 without apex/TE.
         opts = []
         for opt in self._optimizers():
-            entry = {"state": opt.state_dict()}
-            if hasattr(opt, "get_parameter_state_dp_reshardable"):
-                entry["param_state"] = opt.get_parameter_state_dp_reshardable()
-            opts.append(entry)
+            inner = opt.optimizer
+            mains = [p.detach().clone() for g in inner.param_groups for p in g["params"]]
+            opts.append({"inner": inner.state_dict(), "main_params": mains})
         state["optimizers"] = opts
         torch.save(state, os.path.join(path, f"megatron_rank{self.rank}.pt"))
         dist.barrier()
@@ -484,48 +492,43 @@ class MegatronBackend:
         if tuple(state["layout"]) != layout:
             raise ValueError(f"checkpoint was saved with (TP, PP, DP) = {state['layout']}, "
                              f"this run has {layout}")
-        self.gpt.load_state_dict(state["model"], strict=False)
+        self.gpt.load_state_dict(state["model"], strict=True)
         for opt, entry in zip(self._optimizers(), state["optimizers"]):
-            opt.load_state_dict(entry["state"])
-            if "param_state" in entry:
-                opt.load_parameter_state_from_dp_reshardable(entry["param_state"])
+            inner = opt.optimizer
+            inner.load_state_dict(entry["inner"])
+            mains = [p for g in inner.param_groups for p in g["params"]]
+            with torch.no_grad():
+                for p, saved in zip(mains, entry["main_params"], strict=True):
+                    p.copy_(saved)
+            if hasattr(opt, "_copy_main_params_to_model_params"):
+                opt._copy_main_params_to_model_params()  # bf16/fp16 model copies
         self.optimizer_steps, self.sft_steps = state["optimizer_steps"], state["sft_steps"]
         torch.set_rng_state(state["cpu_rng"])
         dist.barrier()
 
     # ----------------------------------------------------------------- memory
     def offload(self) -> None:
-        """GPU: parameters, grad buffers and optimizer state to host memory. CPU: no-op."""
+        """GPU: move the Adam moments to host memory. Model weights, fp32 main params and
+        DDP grad buffers stay on the GPU: Megatron's parameters (and fp32 main params) are
+        views into contiguous buffers that ``module.to()`` would silently detach; freeing
+        them needs torch_memory_saver-style buffer release (not done yet). CPU: no-op."""
         if self.cpu:
             return
-        self._move("cpu")
+        self._move_optimizer("cpu")
         torch.cuda.empty_cache()
 
     def onload(self) -> None:
         if self.cpu:
             return
-        self._move(self.device)
+        self._move_optimizer(self.device)
 
-    def _move(self, device) -> None:
-        for model in (self.model, self.ref):
-            if model is not None:
-                model.to(device)
-        for buffers in (getattr(self.model, "buffers", []), ):
-            for buf in buffers:
-                for attr in ("param_data", "grad_data"):
-                    data = getattr(buf, attr, None)
-                    if data is not None:
-                        data.data = data.data.to(device, non_blocking=True)
+    def _move_optimizer(self, device) -> None:
         for opt in self._optimizers():
             inner = getattr(opt, "optimizer", None)
             if inner is None:
                 continue
             for st in inner.state.values():
                 for key, value in st.items():
-                    if isinstance(value, torch.Tensor):
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
                         st[key] = value.to(device, non_blocking=True)
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    p.data = p.data.to(device, non_blocking=True)
-        if device == "cpu":
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()

@@ -254,7 +254,8 @@ def megatron_names(hf, *, te_names: bool, layers: Iterable[int], pre_process: bo
         if transformer_config_kwargs(hf)["add_qkv_bias"]:
             out.append(p + "self_attention.linear_qkv.bias")
         if hf.model_type == "qwen3":
-            out += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
+            out += [p + "self_attention.q_layernorm.weight",
+                    p + "self_attention.k_layernorm.weight"]
         out.append(p + "self_attention.linear_proj.weight")
         out.append(p + inv["post_attention_layernorm.weight"])
         out += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]

@@ -62,7 +62,10 @@ def transformer_config(hf, train, *, dtype: str, cpu: bool):
         variable_seq_lengths=True,  # micro-batches differ in shape: send shapes first
         moe_token_dispatcher_type="alltoall",  # the only one variable_seq_lengths allows
         use_cpu_initialization=cpu,
-        perform_initialization=False,  # every weight comes from the HF checkpoint
+        # Every weight is then overwritten from the HF checkpoint, but initialisation is
+        # also what marks weights `tensor_model_parallel` (without it, grad-norm and
+        # clipping count TP-sharded weights on TP rank 0 only).
+        perform_initialization=True,
         # Fused kernels need CUDA (and Apex/TE); they are numerically the same ops.
         bias_dropout_fusion=not cpu,
         masked_softmax_fusion=not cpu,
@@ -98,6 +101,29 @@ def build_gpt(hf, config, *, use_te: bool, padded_vocab: int):
                     pre_process=parallel_state.is_pipeline_first_stage(),
                     post_process=parallel_state.is_pipeline_last_stage(),
                     parallel_output=True, **hf_map.model_kwargs(hf, padded_vocab))
+
+
+def freeze_padding_embedding(gpt, pad_token_id: Optional[int]) -> None:
+    """HF's Llama/Qwen embeddings are ``nn.Embedding(padding_idx=pad_token_id)``: the pad
+    row gets no gradient from the input side. Do the same (forward values unchanged):
+    positions holding the pad token pass no gradient back to the embedding table."""
+    if pad_token_id is None or not getattr(gpt, "pre_process", False):
+        return
+    embedding = gpt.embedding.word_embeddings
+
+    def hook(module, args, output):
+        input_ids = args[0]
+        keep = (input_ids != pad_token_id).unsqueeze(-1)
+        if keep.shape[:2] != output.shape[:2]:  # [s, b, h] (sequence parallel: s / tp)
+            keep = keep.transpose(0, 1)
+            if keep.shape[0] != output.shape[0]:
+                from megatron.core import parallel_state
+
+                keep = keep.chunk(parallel_state.get_tensor_model_parallel_world_size())[
+                    parallel_state.get_tensor_model_parallel_rank()]
+        return torch.where(keep, output, output.detach())
+
+    embedding.register_forward_hook(hook)
 
 
 def layer_offset(gpt) -> int:
@@ -166,7 +192,8 @@ def gather_tp(name: str, local: torch.Tensor) -> torch.Tensor:
     if size == 1 or hf_map.tp_split_dim(name) is None:
         return local
     parts = [torch.empty_like(local) for _ in range(size)]
-    dist.all_gather(parts, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_gather(parts, local.contiguous(),
+                    group=parallel_state.get_tensor_model_parallel_group())
     return hf_map.unshard(name, parts)
 
 
@@ -177,7 +204,9 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, *, voc
 
     ``logits`` [N, V/tp]; columns beyond the real ``vocab_size`` (padding) are dropped.
     All-reduces use Megatron's reduce-from-TP-region (backward: identity), which is the
-    right gradient because every TP rank computes the same loss from the reduced values.
+    right gradient because every TP rank computes the same loss from the reduced values
+    AND every reduced term depends on this rank's logits only (no reduced value feeds a
+    local term; e.g. entropy is written as lse - sum(e*x)/sum(e), not with p = e/sum).
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
@@ -198,7 +227,8 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, *, voc
         global_max = local_max
         reduce = lambda x: x  # noqa: E731
     shifted = logits - global_max[:, None]
-    sum_exp = reduce(shifted.exp().sum(dim=-1))
+    exp = shifted.exp()
+    sum_exp = reduce(exp.sum(dim=-1))
     lse = sum_exp.log()
     in_range = (targets >= start) & (targets < start + valid)
     local_idx = (targets - start).clamp(0, max(valid - 1, 0))
@@ -207,6 +237,7 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, *, voc
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            probs = (shifted - lse[:, None]).exp()
-            entropy = lse - reduce((probs * shifted).sum(dim=-1))
+            # H = lse - E_p[shifted]; the local sums must not use a reduced value (lse),
+            # or the identity backward of the reduce would drop other ranks' gradients.
+            entropy = lse - reduce((exp * shifted).sum(dim=-1)) / sum_exp
     return logp, entropy
