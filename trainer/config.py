@@ -285,6 +285,8 @@ class EvalConfig:
     n_samples_per_prompt: int = 4  # sampled attempts per eval prompt
     temperature: float = 1.0
     greedy: bool = True  # also report a greedy (temperature 0) pass
+    # Also evaluate on the training prompts (what RL optimised) next to the eval split.
+    train_split: bool = False
 
     def __post_init__(self) -> None:
         _check(self.n_samples_per_prompt >= 1, "eval.n_samples_per_prompt", "must be >= 1")

@@ -243,17 +243,25 @@ class Driver:
         if self._pipeline is not None:
             self._pipeline.prefetched()  # one manager call at a time: let generation finish
         result = ray.get(self.rt.manager.evaluate.remote("eval"))
-        metrics = result["metrics"]
+        metrics, rows = result["metrics"], result["rows"]
+        if self.config.eval.train_split:
+            # The same measurement on the training prompts: what RL optimised, next to
+            # the held-out split that shows whether it generalises.
+            train = ray.get(self.rt.manager.evaluate.remote("train"))
+            metrics.update({f"train_{k}": v for k, v in train["metrics"].items()})
+            rows += [{**row, "split": "train"} for row in train["rows"]]
         self.evals[name] = metrics
         eval_dir = self.run_dir / "eval"
         eval_dir.mkdir(exist_ok=True)
         with open(eval_dir / f"{name}.jsonl", "w") as f:
-            for row in result["rows"]:
+            for row in rows:
                 f.write(json.dumps(row, default=str) + "\n")
         if self.logger is not None:
             self.logger.log(step, {f"{name}/{k}": v for k, v in metrics.items()}, progress=False)
         line = " | ".join(f"{title} {fmt.format(metrics[f'eval/{key}'])}"
                           for key, title, fmt in EVAL_COLUMNS if f"eval/{key}" in metrics)
+        if "train_eval/success_rate" in metrics:
+            line += f" | train-split success {metrics['train_eval/success_rate']:.1%}"
         print(f"eval [{name}] sampled: {line}", flush=True)
         return metrics
 
@@ -293,13 +301,16 @@ class Driver:
 
 def format_eval_table(evals: dict[str, dict[str, float]]) -> str:
     """Markdown table: one row per evaluation, sampled and greedy columns."""
+    passes = [("eval", "sampled"), ("eval_greedy", "greedy")]
+    if any("train_eval/success_rate" in m for m in evals.values()):
+        passes += [("train_eval", "train split, sampled"), ("train_eval_greedy", "train split, greedy")]
     header = ["model"]
-    for prefix, label in (("eval", "sampled"), ("eval_greedy", "greedy")):
+    for prefix, label in passes:
         header += [f"{title} ({label})" for _, title, _ in EVAL_COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, m in evals.items():
         cells = [name]
-        for prefix in ("eval", "eval_greedy"):
+        for prefix, _ in passes:
             for key, _, fmt in EVAL_COLUMNS:
                 value = m.get(f"{prefix}/{key}")
                 cells.append(fmt.format(value) if value is not None else "-")
