@@ -20,13 +20,13 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from trainer.algo.advantages import masked_whiten, reinforce_pp_returns, sequence_advantages
-from trainer.algo.losses import entropy_from_logits, kl_penalty, token_log_probs
+from trainer.algo.losses import entropy_from_logits, token_log_probs
 from trainer.algo.objective import TokenInputs, policy_objective, sft_objective
 from trainer.backends.base import NamedTensors
 from trainer.backends.batching import (
     BatchLike, MicroBatch, build_micro_batch, check_batch, minibatch_ranges, plan_step,
     step_norms)
+from trainer.backends.rl_step import micro_batch_advantages, per_sample_log_probs
 from trainer.backends.schedule import lr_at
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -117,15 +117,8 @@ class FSDPBackend:
                          max_tokens=self.config.train.max_tokens_per_micro_batch)[0]
         mbs = [build_micro_batch(batch, ids, pad_token_id=self.pad_token_id) for ids in plan]
         self.model.eval()
-        local: dict[int, torch.Tensor] = {}
-        for mb, lp in zip(mbs, self._no_grad_log_probs(self.model, mbs)):
-            lp = lp.float().cpu()
-            for j, sid in enumerate(mb.sample_ids):
-                local[sid] = lp[mb.seq_idx.cpu() == j]
-        gathered: list[dict[int, torch.Tensor]] = [None] * self.world_size  # type: ignore
-        dist.all_gather_object(gathered, local)
-        merged = {k: v for part in gathered for k, v in part.items()}
-        return [merged[i] for i in range(len(batch.tokens))]
+        return per_sample_log_probs(mbs, self._no_grad_log_probs(self.model, mbs),
+                                    num_samples=len(batch.tokens))
 
     # ----------------------------------------------------------------- training
     def _set_lr(self, lr: float) -> None:
@@ -182,7 +175,8 @@ class FSDPBackend:
         pre = (self._no_grad_log_probs(self.model, flat_mbs)
                if len(ranges) > 1 or kl_in_reward else None)
         old = pre if len(ranges) > 1 else None
-        advantages = self._advantages(batch, flat_mbs, pre, ref)
+        advantages = micro_batch_advantages(self.config.algo, batch, flat_mbs, pre, ref,
+                                            self.device)
 
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
@@ -223,44 +217,6 @@ class FSDPBackend:
         out["train/optimizer_steps"] = float(len(ranges))
         out["perf/train_time"] = time.perf_counter() - start
         return out
-
-    def _advantages(self, batch: BatchLike, mbs: list[MicroBatch],
-                    pre: Optional[list[torch.Tensor]],
-                    ref: Optional[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """Flat per-token advantages of each micro-batch of this rank."""
-        algo = self.config.algo
-        rewards = torch.tensor(batch.rewards, dtype=torch.float32)
-        if algo.advantage_estimator != "reinforce_pp":
-            # Every rank sees the whole batch, so group statistics need no communication.
-            seq_adv = sequence_advantages(algo.advantage_estimator, rewards,
-                                          torch.tensor(batch.group_ids))
-            return [seq_adv[mb.sample_ids][mb.seq_idx].to(self.device) if mb.num_seqs
-                    else torch.zeros(1, device=self.device) for mb in mbs]
-        returns = []
-        for k, mb in enumerate(mbs):
-            if mb.num_seqs == 0:
-                returns.append(torch.zeros(1, device=self.device))
-                continue
-            kl = None
-            if ref is not None:
-                # KL of the pre-update policy against the reference, per token.
-                assert pre is not None
-                kl = kl_penalty(pre[k], ref[k], algo.kl_type)
-            returns.append(reinforce_pp_returns(
-                rewards[mb.sample_ids].to(self.device), mb.loss_mask.to(self.device),
-                mb.seq_idx.to(self.device), kl=kl, kl_coef=algo.kl_coef, gamma=algo.gamma))
-        # Whiten with moments over every rank's tokens so all ranks agree.
-        moments = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for r, mb in zip(returns, mbs):
-            if mb.num_seqs:
-                m, r64 = mb.loss_mask.to(self.device).double(), r.double()
-                moments += torch.stack([(r64 * m).sum(), (r64 * r64 * m).sum(), m.sum()])
-        dist.all_reduce(moments)
-        n = moments[2].clamp(min=1)
-        mean = moments[0] / n
-        std = (moments[1] / n - mean * mean).clamp(min=0).sqrt()
-        return [masked_whiten(r, mb.loss_mask.to(self.device), mean=mean.float(), std=std.float())
-                if mb.num_seqs else r for r, mb in zip(returns, mbs)]
 
     def sft_step(self, batch: BatchLike) -> dict[str, float]:
         """One supervised optimizer step at ``warmup.lr`` (the RL LR schedule is untouched)."""

@@ -572,7 +572,7 @@ class Server:
         return await self._weights_call(receive)
 
     async def release_memory(self, request):
-        body = await _body(request)
+        await _body(request)  # a malformed body is still a 400
 
         def release():
             self.batcher.reset_batch("memory released")

@@ -5,7 +5,7 @@ by it over all ranks; Megatron's TP/PP/CP/DP/EP groups are carved out of that he
 
 Shared with the FSDP backend, not duplicated: batching and data-parallel sharding
 (``trainer.backends.batching``, with the DP rank/size instead of the global ones), the
-loss of a micro-batch (``trainer.algo.objective``), advantages (``FSDPBackend._advantages``
+loss of a micro-batch (``trainer.algo.objective``), advantages (``trainer.backends.rl_step``
 is reused as-is; its whitening all-reduce is over all ranks, and the identical copies on
 TP/PP replicas scale every moment alike, so mean and std are unchanged) and the LR
 schedule. Megatron-specific: the model, the pipeline schedule, vocab-parallel log-probs,
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import time
-from functools import partial
 from typing import Iterator, Optional
 
 import torch
@@ -36,6 +35,7 @@ from trainer.backends.batching import (
     BatchLike, MicroBatch, build_micro_batch, check_batch, minibatch_ranges, plan_step,
     step_norms)
 from trainer.backends.megatron import hf_map
+from trainer.backends.rl_step import micro_batch_advantages, per_sample_log_probs
 from trainer.backends.schedule import lr_at
 
 
@@ -249,16 +249,8 @@ class MegatronBackend:
         plan = self._plan(batch, None)[0]
         mbs = [build_micro_batch(batch, ids, pad_token_id=self.pad_token_id) for ids in plan]
         lps = self._forward_log_probs(self.model, mbs)
-        local: dict[int, torch.Tensor] = {}
-        if self.is_last and self.tp_rank == 0:
-            for mb, lp in zip(mbs, lps):
-                lp = lp.float().cpu()
-                for j, sid in enumerate(mb.sample_ids):
-                    local[sid] = lp[mb.seq_idx == j]
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, local)
-        merged = {k: v for part in gathered for k, v in part.items()}
-        return [merged[i] for i in range(len(batch.tokens))]
+        return per_sample_log_probs(mbs, lps, num_samples=len(batch.tokens),
+                                    contribute=self.is_last and self.tp_rank == 0)
 
     # ----------------------------------------------------------------- training
     def _set_lr(self, lr: float) -> None:
@@ -319,10 +311,8 @@ class MegatronBackend:
         pre = (self._forward_log_probs(self.model, flat_mbs)
                if len(ranges) > 1 or kl_in_reward else None)
         old = pre if len(ranges) > 1 else None
-        from trainer.backends.fsdp import FSDPBackend
-
-        # The FSDP method only needs config/device and all-reduces over all ranks.
-        advantages = FSDPBackend._advantages(self, batch, flat_mbs, pre, ref)  # type: ignore
+        advantages = micro_batch_advantages(self.config.algo, batch, flat_mbs, pre, ref,
+                                            self.device)
 
         sums: dict[str, torch.Tensor] = {}
         grad_norms, lrs = [], []
