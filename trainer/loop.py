@@ -131,7 +131,8 @@ class Driver:
                 self.save(last)
             if cfg.eval.before_and_after:
                 self.evaluate("trained", step=last)
-            self.write_eval_table()
+            if self.evals:
+                self.write_eval_table()
         finally:
             self.logger.close()
         return RunResult(run_dir=self.run_dir, steps=cfg.train.num_steps, evals=self.evals,

@@ -374,7 +374,7 @@ class EngineServer:
     def __del__(self):
         try:
             self.shutdown(timeout_s=2)
-        except Exception:
+        except BaseException:  # Ray's SIGTERM handler raises SystemExit while the actor dies
             pass
 
 
