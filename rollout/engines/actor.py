@@ -43,6 +43,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def log_tail(path: str, n: int) -> str:
+    """The last ``n`` bytes of a process log, for error messages ("" if unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - n))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _die_with_parent() -> None:
     # Linux: the server gets SIGTERM when the actor process dies (ray.kill, crash), so no
     # orphaned servers keep ports and memory.
@@ -214,14 +225,8 @@ class EngineServer:
                 time.sleep(0.1)
         return self._url
 
-    def _log_tail(self, n: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, 2)
-                f.seek(max(0, f.tell() - n))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
+    def _log_tail(self) -> str:
+        return log_tail(self.log_path, 4000)
 
     def _check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import requests
 
-from rollout.engines.actor import _die_with_parent, free_port
+from rollout.engines.actor import _die_with_parent, free_port, log_tail
 
 
 class Router:
@@ -108,14 +108,8 @@ class Router:
                                    f"{self._log_tail()}")
             time.sleep(0.1)
 
-    def _log_tail(self, n: int = 3000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, 2)
-                f.seek(max(0, f.tell() - n))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
+    def _log_tail(self) -> str:
+        return log_tail(self.log_path, 3000)
 
     def workers(self) -> list[dict]:
         r = self.session.get(self.url + "/workers", timeout=10)

@@ -26,7 +26,8 @@ from trainer.backends.base import NamedTensors
 from trainer.backends.batching import (
     BatchLike, MicroBatch, build_micro_batch, check_batch, minibatch_ranges, plan_step,
     step_norms)
-from trainer.backends.rl_step import micro_batch_advantages, per_sample_log_probs
+from trainer.backends.rl_step import (
+    micro_batch_advantages, per_sample_log_probs, train_step_metrics)
 from trainer.backends.schedule import lr_at
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -209,14 +210,8 @@ class FSDPBackend:
             grad_norms.append(self._optimizer_step())
             lrs.append(lr)
             self.optimizer_steps += 1
-        # Each contribution was normalised by its optimizer step's global counts, so the
-        # all-reduced sum over steps divided by the step count is the mean per step.
-        out = {k: v / len(ranges) for k, v in self._all_reduce_metrics(sums).items()}
-        out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["train/lr"] = lrs[-1]
-        out["train/optimizer_steps"] = float(len(ranges))
-        out["perf/train_time"] = time.perf_counter() - start
-        return out
+        return train_step_metrics(self._all_reduce_metrics(sums), grad_norms=grad_norms,
+                                  lrs=lrs, start=start)
 
     def sft_step(self, batch: BatchLike) -> dict[str, float]:
         """One supervised optimizer step at ``warmup.lr`` (the RL LR schedule is untouched)."""

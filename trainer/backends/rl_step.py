@@ -7,6 +7,7 @@ reassembly of per-sample log-probs computed on different ranks.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -70,3 +71,17 @@ def per_sample_log_probs(mbs: list[MicroBatch], flat: list[torch.Tensor], *,
     dist.all_gather_object(gathered, local)
     merged = {k: v for part in gathered for k, v in part.items()}
     return [merged[i] for i in range(num_samples)]
+
+
+def train_step_metrics(reduced: dict[str, float], *, grad_norms: list[float], lrs: list[float],
+                       start: float) -> dict[str, float]:
+    """A train step's metrics from its all-reduced sums. Each contribution was normalised by
+    its optimizer step's global counts, so sum / number of optimizer steps is the mean per
+    step."""
+    num_steps = len(grad_norms)
+    out = {k: v / num_steps for k, v in reduced.items()}
+    out["train/grad_norm"] = sum(grad_norms) / num_steps
+    out["train/lr"] = lrs[-1]
+    out["train/optimizer_steps"] = float(num_steps)
+    out["perf/train_time"] = time.perf_counter() - start
+    return out

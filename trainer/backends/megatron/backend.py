@@ -35,7 +35,8 @@ from trainer.backends.batching import (
     BatchLike, MicroBatch, build_micro_batch, check_batch, minibatch_ranges, plan_step,
     step_norms)
 from trainer.backends.megatron import hf_map
-from trainer.backends.rl_step import micro_batch_advantages, per_sample_log_probs
+from trainer.backends.rl_step import (
+    micro_batch_advantages, per_sample_log_probs, train_step_metrics)
 from trainer.backends.schedule import lr_at
 
 
@@ -350,12 +351,8 @@ class MegatronBackend:
             lrs.append(lr)
             self.optimizer_steps += 1
             base += len(step_mbs)
-        out = {k: v / len(ranges) for k, v in self._all_reduce_metrics(sums).items()}
-        out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["train/lr"] = lrs[-1]
-        out["train/optimizer_steps"] = float(len(ranges))
-        out["perf/train_time"] = time.perf_counter() - start
-        return out
+        return train_step_metrics(self._all_reduce_metrics(sums), grad_norms=grad_norms,
+                                  lrs=lrs, start=start)
 
     def sft_step(self, batch: BatchLike) -> dict[str, float]:
         start = time.perf_counter()
