@@ -6,9 +6,17 @@ a chat user turn). Reward, as in the seed (PipelineRL-style shaping): success
 ``2.0 - 0.1 * (turns - 1)``, malformed turn ``-2.0`` (ends the episode), otherwise ``-1.0``.
 Train on odd targets, evaluate on even ones.
 
-Scripted players for the supervised warm-up: binary search, and random guesses inside the
-range still consistent with the feedback. A 50/50 mix teaches the format plus a sensible
-strategy while leaving RL something to improve (random-only warm-up left RL stuck).
+Scripted players for the supervised warm-up: ``binary`` search; ``random`` guesses inside
+the range still consistent with the feedback; ``careless`` binary search that, after its
+first guess, wastes a turn with probability ``repeat_prob`` by repeating its previous
+guess. A mix teaches the format plus a sensible strategy while leaving RL something to
+improve.
+
+Which mix matters for the held-out split. A random player's last guesses pick among
+numbers of both parities, and RL on odd targets rightly learns to prefer odd ones ("the
+answer is odd"), which costs even targets. The careless player's only mistake, a repeated
+guess, is wrong whatever the target, so what RL learns from it (stop repeating) carries
+over to even targets.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ TRAIN_TARGETS = list(range(1, MAX_VALUE + 1, 2))
 EVAL_TARGETS = list(range(2, MAX_VALUE + 1, 2))
 
 ANSWER_RE = re.compile(r"<answer>\s*(\d+)\s*</answer>", re.IGNORECASE)
-PLAYERS = ("binary", "random")
+PLAYERS = ("binary", "random", "careless")
 
 
 def extract_answer(text: str) -> Optional[int]:
@@ -72,18 +80,23 @@ def parse_target(label: Any) -> int:
 @register("number_guess")
 class NumberGuessEnv(Environment):
     def __init__(self, max_turns: int = MAX_TURNS, seed: Optional[int] = None,
-                 players: tuple[str, ...] | list[str] = PLAYERS) -> None:
+                 players: tuple[str, ...] | list[str] = ("binary", "careless"),
+                 repeat_prob: float = 0.5) -> None:
         super().__init__(max_turns=max_turns, seed=seed)
         unknown = set(players) - set(PLAYERS)
         if not players or unknown:
             raise ValueError(f"number_guess: players must be a non-empty subset of {PLAYERS}")
+        if not 0.0 <= repeat_prob <= 1.0:
+            raise ValueError(f"number_guess: repeat_prob must be in [0, 1] (got {repeat_prob})")
         self.players = tuple(players)
+        self.repeat_prob = repeat_prob
         self.target = 0
         self.turns = 0
         self.low, self.high = 1, MAX_VALUE
         self.done = False
         self._rng = random.Random(seed)
         self.player = self.players[0]
+        self.last_guess: Optional[int] = None
 
     async def reset(self, sample: Any) -> str:
         self.target = parse_target(getattr(sample, "label", sample))
@@ -91,6 +104,7 @@ class NumberGuessEnv(Environment):
         self.low, self.high = 1, MAX_VALUE
         self.done = False
         self.player = self._rng.choice(self.players)
+        self.last_guess = None
         return PROMPT
 
     def _info(self, success: bool, format_error: bool) -> dict:
@@ -102,6 +116,7 @@ class NumberGuessEnv(Environment):
             raise RuntimeError("number_guess: step() after the episode ended")
         self.turns += 1
         guess = extract_answer(action_text)
+        self.last_guess = guess
         if guess is None:
             self.done = True
             return "", trajectory_reward(False, True, self.turns), True, self._info(False, True)
@@ -120,10 +135,13 @@ class NumberGuessEnv(Environment):
         return f"<feedback>{feedback}</feedback>", 0.0, False, self._info(False, False)
 
     def demo_action(self) -> str:
-        if self.player == "binary":
-            guess = (self.low + self.high) // 2
-        else:
+        if self.player == "random":
             guess = self._rng.randint(self.low, self.high)
+        elif (self.player == "careless" and self.last_guess is not None
+              and self._rng.random() < self.repeat_prob):
+            guess = self.last_guess
+        else:
+            guess = (self.low + self.high) // 2
         return f"<answer>{guess}</answer>"
 
     @classmethod

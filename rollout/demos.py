@@ -9,7 +9,7 @@ same game -- the warm-up teaches precisely the format RL later samples.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from envs.base import Environment, get_env_class
 from rollout.data import DataSource
@@ -37,18 +37,24 @@ class ScriptedPolicy:
 
 
 async def play_demos(config: Any, tokenizer: Any, num_samples: int, *, seed: int = 0,
-                     split: str = "train", renderer: Optional[ChatRenderer] = None
-                     ) -> list[Sample]:
-    """``num_samples`` scripted episodes over ``split``'s prompts (cycling, shuffled)."""
+                     splits: Sequence[str] = ("train",),
+                     renderer: Optional[ChatRenderer] = None) -> list[Sample]:
+    """``num_samples`` scripted episodes over the prompts of ``splits`` (each split cycled
+    in a shuffled order of its own; episodes alternate between the splits)."""
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1 (got {num_samples})")
+    if not splits:
+        raise ValueError("play_demos: splits is empty")
     env_cls = get_env_class(config.env.name)
-    data = DataSource.from_config(config, split, tokenizer, n_samples_per_prompt=1)
-    data.reseed(seed)  # a shuffled order of its own, whatever data.shuffle says
+    sources = []
+    for split in splits:
+        data = DataSource.from_config(config, split, tokenizer, n_samples_per_prompt=1)
+        data.reseed(seed)  # a shuffled order of its own, whatever data.shuffle says
+        sources.append(data)
     renderer = renderer or ChatRenderer(tokenizer, config.data.apply_chat_template_kwargs)
     samples = []
     for k in range(num_samples):
-        sample = data.next_group()[0]
+        sample = sources[k % len(sources)].next_group()[0]
         # Each episode its own env seed, so the player mix and random guesses vary.
         env = env_cls(max_turns=config.env.max_turns, seed=seed * 1_000_003 + k,
                       **dict(config.env.kwargs))
@@ -61,6 +67,6 @@ async def play_demos(config: Any, tokenizer: Any, num_samples: int, *, seed: int
 
 
 def make_demos(config: Any, tokenizer: Any, num_samples: int, *, seed: int = 0,
-               split: str = "train") -> list[Sample]:
+               splits: Sequence[str] = ("train",)) -> list[Sample]:
     """Synchronous ``play_demos`` for the warm-up trainer (no engine involved)."""
-    return asyncio.run(play_demos(config, tokenizer, num_samples, seed=seed, split=split))
+    return asyncio.run(play_demos(config, tokenizer, num_samples, seed=seed, splits=splits))

@@ -85,6 +85,7 @@ def test_wrong_type_is_named():
     (["rollout.engine=sglang"], "rollout.engine", "SGLang needs a GPU"),
     (["algo.max_staleness=1"], "algo.max_staleness", "colocate"),
     (["train.global_batch_size=7"], "train.global_batch_size", "must divide"),
+    (["warmup.splits=[train,test]"], "warmup.splits", "'train' / 'eval'"),
 ])
 def test_rule_violations_name_key_and_rule(overrides, key, rule):
     with pytest.raises(ConfigError, match=rule) as info:

@@ -53,7 +53,7 @@ def test_dataset_splits_odd_train_even_eval():
         NumberGuessEnv.dataset("test")
 
 
-@pytest.mark.parametrize("player", ["binary", "random"])
+@pytest.mark.parametrize("player", ["binary", "random", "careless"])
 def test_scripted_players_always_win_within_budget(player):
     for target in range(1, 21):
         env = NumberGuessEnv(players=[player], seed=target)
@@ -68,6 +68,39 @@ def test_scripted_players_always_win_within_budget(player):
         if player == "binary":  # log2(20) < 5: binary search never runs out of turns
             assert info["success"], (target, info)
         assert info["format_error"] is False
+
+
+def careless_guesses(target, repeat_prob, seed=0):
+    env = NumberGuessEnv(players=["careless"], repeat_prob=repeat_prob, seed=seed)
+
+    async def go():
+        await env.reset(Sample(label={"answer": target}))
+        guesses = []
+        while True:
+            action = env.demo_action()
+            guesses.append(int(action.removeprefix("<answer>").removesuffix("</answer>")))
+            _, _, done, info = await env.step(action)
+            if done:
+                return guesses, info
+    return asyncio.run(go())
+
+
+def test_careless_player_wastes_turns_by_repeating():
+    guesses, info = careless_guesses(3, repeat_prob=1.0)
+    assert guesses == [10] * 6 and not info["success"]  # never moves past its first guess
+    guesses, info = careless_guesses(3, repeat_prob=0.0)
+    assert guesses == [10, 5, 2, 3] and info["success"]  # plain binary search
+    # in between: some games repeat a guess (a wasted turn), and every new guess is the
+    # midpoint of what the feedback still allows
+    repeats = 0
+    for seed in range(20):
+        guesses, _ = careless_guesses(17, repeat_prob=0.5, seed=seed)
+        repeats += sum(a == b for a, b in zip(guesses, guesses[1:]))
+        assert [g for i, g in enumerate(guesses) if i == 0 or g != guesses[i - 1]] == \
+            [10, 15, 18, 16, 17][:len(set(guesses))]
+    assert repeats > 0
+    with pytest.raises(ValueError, match="repeat_prob"):
+        NumberGuessEnv(repeat_prob=1.5)
 
 
 def test_bad_label_is_a_clear_error():

@@ -246,10 +246,18 @@ class WarmupConfig:
     lr: float = 1e-3
     batch_size: int = 32
     seed: int = 0
+    # Which splits' prompts the scripted players play. Adding "eval" reaches game states
+    # that the training labels never lead to (in number_guess: a last remaining even
+    # number). RL still trains on the train split alone, and its gain is measured against
+    # the warmed-up model, so the eval split still measures RL on labels it never saw.
+    splits: list[str] = field(default_factory=lambda: ["train"])
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, "warmup.steps", "must be >= 0")
         _check(self.batch_size >= 1, "warmup.batch_size", "must be >= 1")
+        _check(bool(self.splits) and set(self.splits) <= {"train", "eval"}
+               and len(set(self.splits)) == len(self.splits),
+               "warmup.splits", "must be a non-empty list of distinct 'train' / 'eval'")
 
 
 @dataclass

@@ -226,10 +226,11 @@ class Driver:
         tokenizer = AutoTokenizer.from_pretrained(
             resolve_model_path(self.config.model.path, self.config.model.cache_dir))
         start = time.perf_counter()
-        demos = make_demos(self.config, tokenizer, cfg.steps * cfg.batch_size, seed=cfg.seed)
+        demos = make_demos(self.config, tokenizer, cfg.steps * cfg.batch_size, seed=cfg.seed,
+                           splits=cfg.splits)
         for s in demos:
             s.reward = 0.0  # SFT ignores rewards; the batch format requires one
-        print(f"warm-up: {len(demos)} scripted transcripts in "
+        print(f"warm-up: {len(demos)} scripted transcripts ({'+'.join(cfg.splits)} prompts) in "
               f"{time.perf_counter() - start:.1f}s; {cfg.steps} SFT steps", flush=True)
         for i in range(cfg.steps):
             chunk = demos[i * cfg.batch_size:(i + 1) * cfg.batch_size]
