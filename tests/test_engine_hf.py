@@ -275,7 +275,7 @@ def _safe(fn):
 def test_pause_continue_release_resume(engine, ref_model):
     engine.pause_generation(mode="in_place")
     with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(gen, engine, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        fut = pool.submit(gen, engine, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
         time.sleep(0.3)  # negative check: a paused engine must not finish it
         assert not fut.done()
         engine.continue_generation()
@@ -301,7 +301,7 @@ def test_api_key(tiny_model_path, tmp_path):
         assert r.status_code == 401
         r = requests.get(eng.url + "/get_model_info", headers={"Authorization": "Bearer wrong"}, timeout=10)
         assert r.status_code == 401
-        out = eng.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        out = eng.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
         assert len(out["output_ids"]) == 2
     finally:
         eng.shutdown()
