@@ -286,11 +286,18 @@ class EnginePolicy:
         self.weight_version: Optional[int] = None
         self.versions_mixed = False  # some turn's tokens span a weight update
         self.partial_weights = False  # some forward pass ran on a half-applied update
+        self.requests = 0
 
     async def act(self, token_ids: list[int], max_new_tokens: int
                   ) -> tuple[list[int], list[float], str]:
         params = dict(self.sampling_params)
         params["max_new_tokens"] = max_new_tokens
+        if params.get("sampling_seed") is not None:
+            # A seed per request: one seed for every turn would replay the same random
+            # numbers each turn and correlate the turns of an episode. (SGLang's name;
+            # sglang-router drops an unknown "seed" on the way to the engine.)
+            params["sampling_seed"] = (int(params["sampling_seed"]) + 7_919 * self.requests) % 2**31
+        self.requests += 1
         payload = {"input_ids": token_ids, "sampling_params": params, "return_logprob": True}
         async with self.state.semaphore:
             out = await post(self.state.generate_url, payload)

@@ -64,6 +64,7 @@ class _Item:
     episode: Episode
     prompt_ids: list[int]
     result: Optional[list[Sample]] = None  # set when finished (COMPLETED/TRUNCATED/FAILED)
+    seed: Optional[int] = None  # sampling seed of the episode (seeded evaluation)
 
 
 @dataclass
@@ -226,6 +227,8 @@ class RolloutManagerCore:
                 if s.weight_version is None:
                     s.weight_version = version
             return samples
+        if item.seed is not None:
+            sampling_params = dict(sampling_params, sampling_seed=item.seed)
         policy = EnginePolicy(self.state, sampling_params)
         max_turns = self.config.env.max_turns if ep.env is not None else 1
         return [await run_episode(ep, policy, self.state.renderer, max_turns=max_turns,
@@ -433,6 +436,13 @@ class RolloutManagerCore:
                          prefix: str) -> tuple[dict[str, float], list[dict]]:
         stats = _StepStats()
         groups = [self._new_items(g) for g in data.all_groups(n)]
+        seed = self.config.eval.seed
+        if seed is not None and self.custom_generate is None:
+            # The same draws for the same (prompt, attempt) in every evaluation: base and
+            # trained models are compared on paired samples, not on two independent ones.
+            for g, items in enumerate(groups):
+                for j, it in enumerate(items):
+                    it.seed = (seed * 1_000_003 + g * 1_009 + j) % 2**31
         await asyncio.gather(*(self._run_group(g, sampling_params, stats) for g in groups))
         samples = [s for g in groups for it in g for s in (it.result or [])]
         ok = [s for s in samples if s.status != Status.FAILED]

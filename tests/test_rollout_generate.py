@@ -57,7 +57,7 @@ def test_multi_turn_masks_are_exact_token_by_token(state):
         results = []
         for k in range(6):
             s = prompt_sample(state)
-            rec = Recorder(EnginePolicy(state, dict(params, seed=100 + k)))
+            rec = Recorder(EnginePolicy(state, dict(params, sampling_seed=100 + k)))
             out = await run_episode(Episode(s, EndlessEnv(max_turns=4)), rec, r, max_turns=4,
                                     max_context_len=1024, max_response_len=16)
             results.append((s.tokens[:out.prompt_length], out, rec.turns))

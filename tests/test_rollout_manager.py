@@ -143,6 +143,22 @@ def test_evaluate_reports_success_reward_turns_format(router):
     assert targets == set(range(2, 21, 2))  # eval split: even targets
 
 
+def test_seeded_evaluation_is_paired_across_calls(router):
+    cfg = config()
+    cfg.eval.n_samples_per_prompt, cfg.eval.greedy = 3, False
+    manager = RolloutManagerCore(cfg, router)
+    responses = lambda out: [(r["label"], r["response"]) for r in out["rows"]]
+    first, second = run(manager.evaluate()), run(manager.evaluate())
+    assert responses(first) == responses(second)  # same draws for the same (prompt, attempt)
+    by_prompt = {}
+    for label, response in responses(first):
+        by_prompt.setdefault(label, set()).add(response)
+    assert max(len(v) for v in by_prompt.values()) > 1  # attempts of a prompt differ
+    cfg.eval.seed = None
+    unseeded = RolloutManagerCore(cfg, router)
+    assert responses(run(unseeded.evaluate())) != responses(run(unseeded.evaluate()))
+
+
 def test_arithmetic_env_single_turn(router):
     cfg = config(rollout_batch_size=2, n_samples_per_prompt=2)
     cfg.env.name = "arithmetic"

@@ -295,6 +295,10 @@ class EvalConfig:
     greedy: bool = True  # also report a greedy (temperature 0) pass
     # Also evaluate on the training prompts (what RL optimised) next to the eval split.
     train_split: bool = False
+    # Seeds the sampled pass per (prompt, attempt, turn), so every evaluation of a run
+    # draws the same random numbers and base vs trained is a paired comparison; null =
+    # unseeded. (Custom generate functions post their own requests and stay unseeded.)
+    seed: Optional[int] = 0
 
     def __post_init__(self) -> None:
         _check(self.n_samples_per_prompt >= 1, "eval.n_samples_per_prompt", "must be >= 1")
