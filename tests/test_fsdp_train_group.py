@@ -6,15 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from train_batches import make_batch, make_config
+from train_batches import assert_save_load_round_trip, exported_params, make_batch, make_config
 from trainer.placement import Placement
 from trainer.train_group import TrainGroup
 
 pytestmark = pytest.mark.slow
-
-
-def _params(group: TrainGroup) -> dict[str, torch.Tensor]:
-    return {n: t for bucket in group.named_weight_buckets(1 << 20) for n, t in bucket}
 
 
 def _surrogate(group: TrainGroup, batch) -> float:
@@ -68,7 +64,7 @@ def test_two_ranks_equal_one_rank(ray_local, tiny_model_path, algo):
         group = TrainGroup(make_config(train={**train, "ranks_per_node": ranks}, algo=algo))
         try:
             metrics = group.train_step(batch)
-            results[ranks] = (metrics, _params(group))
+            results[ranks] = (metrics, exported_params(group))
         finally:
             group.shutdown()
     (m1, p1), (m2, p2) = results[1], results[2]
@@ -97,16 +93,5 @@ def test_train_step_improves_objective_and_sft_lowers_nll(group2):
 
 
 def test_save_load_restores_params_and_optimizer(group2, tmp_path):
-    batch = make_batch(num_groups=4, group_size=4, seed=7)
-    group2.train_step(batch)  # optimizer state is non-trivial from here on
-    group2.save(str(tmp_path / "ckpt"))
-    saved = _params(group2)
-    group2.train_step(batch)
-    after_first = _params(group2)
-    group2.load(str(tmp_path / "ckpt"))
-    assert all(torch.equal(saved[n], t) for n, t in _params(group2).items())
-    # The same step from the restored state lands on the same weights: Adam moments,
-    # step counts and the LR schedule position came back too.
-    group2.train_step(batch)
-    for name, tensor in _params(group2).items():
-        assert torch.equal(after_first[name], tensor), name
+    assert_save_load_round_trip(group2, make_batch(num_groups=4, group_size=4, seed=7),
+                                str(tmp_path / "ckpt"))

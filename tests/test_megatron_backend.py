@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core")
 
-from train_batches import make_batch, make_config  # noqa: E402
+from train_batches import exported_params, make_batch, make_config  # noqa: E402
 from trainer.train_group import TrainGroup  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -27,10 +27,6 @@ def _config(tp=1, pp=1, ranks=None, algo=None, **train):
                               "tensor_model_parallel_size": tp,
                               "pipeline_model_parallel_size": pp, "lr": 1e-3, **train},
                        algo=algo or {})
-
-
-def _params(group: TrainGroup) -> dict[str, torch.Tensor]:
-    return {n: t for bucket in group.named_weight_buckets(1 << 20) for n, t in bucket}
 
 
 def _hf_log_probs(path: str, batch) -> list[torch.Tensor]:
@@ -98,9 +94,9 @@ def test_model_parallel_equals_single_rank(ray_local, tiny_model_path, batch, hf
         group = TrainGroup(_config(t, p, ranks=r, algo=algo, **train))
         try:
             lps = group.log_probs(batch)
-            exported = _params(group)
+            exported = exported_params(group)
             metrics = group.train_step(batch)
-            results[key] = (lps, exported, metrics, _params(group))
+            results[key] = (lps, exported, metrics, exported_params(group))
         finally:
             group.shutdown()
     (l1, e1, m1, p1), (l2, e2, m2, p2) = results["single"], results["parallel"]
