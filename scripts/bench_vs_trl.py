@@ -35,14 +35,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+def _threads_arg() -> str:
+    # Set before torch is imported (here and in the worker subprocesses): OpenMP reads it once.
+    for i, a in enumerate(sys.argv):
+        if a == "--threads" and i + 1 < len(sys.argv):
+            return sys.argv[i + 1]
+        if a.startswith("--threads="):
+            return a.split("=", 1)[1]
+    return "1"
+
+
+os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = _threads_arg()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -127,15 +138,18 @@ def warm_model(args) -> str:
 def run_homegym(args, model_path: str, task: str, out: Path) -> dict:
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     from trainer.api import compose_config
     from trainer.loop import train
 
     run_name = f"homegym-{task}"
+    # A fresh run every time: an earlier run's checkpoints would otherwise be resumed.
+    shutil.rmtree(out / run_name, ignore_errors=True)
     overrides = base_overrides(args, model_path, task) + [
         "warmup.steps=0", "eval.before_and_after=false", f"train.num_steps={args.steps}",
         f"rollout.num_engines={args.engines}", f"train.ranks_per_node={args.ranks}",
         "train.save_interval=null", "logging.wandb_mode=disabled",
+        f"cluster.torch_threads={args.threads}",
         f"logging.output_dir={out}", f"logging.run_name={run_name}",
         f"train.seed={args.seed}"] + list(args.homegym_override)
     config = compose_config(overrides)
@@ -200,7 +214,7 @@ def run_trl(args, model_path: str, task: str, out: Path) -> dict:
 
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -372,7 +386,7 @@ def run_limit(args, model_path: str, task: str, out: Path, ref: dict) -> dict:
     from rollout.demos import make_demos
     from trainer.api import compose_config
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                  attn_implementation="eager")
@@ -460,7 +474,7 @@ def write_report(args, results: dict, out: Path) -> str:
     lines = [f"model `{args.model}`, {args.prompts} prompts x {args.samples} samples = "
              f"{args.prompts * args.samples} episodes/step, {args.max_new_tokens} new tokens/turn, "
              f"{args.steps} steps, homegym {args.engines} engine(s) + {args.ranks} rank(s), "
-             "1 torch thread per process", "",
+             f"{args.threads} torch thread(s) per process", "",
              "| task | system | s/step (median) | episodes/s | gen tok/s | gen | train | sync "
              "| overhead | success first->last quarter | load (1m) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -537,6 +551,8 @@ def main() -> None:
     p.add_argument("--warmup-lr", type=float, default=2e-3)
     p.add_argument("--engines", type=int, default=1)
     p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per process, both systems (and the limit)")
     p.add_argument("--no-limit", action="store_true")
     p.add_argument("--homegym-override", action="append", default=[],
                    help="extra homegym override (repeatable)")

@@ -7,8 +7,8 @@ import torch
 
 from train_batches import make_batch
 from trainer.backends.batching import (
-    balanced_partition, build_micro_batch, check_batch, micro_batches, minibatch_ranges,
-    plan_step, step_norms)
+    balanced_partition, build_micro_batch, build_shared_prompt_micro_batch, check_batch,
+    micro_batches, minibatch_ranges, plan_step, step_norms)
 from trainer.backends.schedule import lr_at
 
 
@@ -55,6 +55,29 @@ def test_micro_batch_indices_point_at_response_tokens():
     assert mb.attention_mask.sum().item() == len(batch.tokens[2]) + len(batch.tokens[0])
     norms = step_norms(batch, range(3))
     assert norms.num_tokens == sum(map(sum, batch.loss_masks)) and norms.num_seqs == 3
+
+
+def test_shared_prompt_micro_batch_keeps_one_copy_of_each_prompt():
+    batch = make_batch(num_groups=3, group_size=3, prompt_len=(5, 12), seed=4)
+    ids = [7, 0, 4, 1, 8]  # groups 2, 0, 1, 0, 2: three distinct prompts, in first-seen order
+    mb = build_shared_prompt_micro_batch(batch, ids, pad_token_id=0)
+    prompts = [batch.tokens[i][:-batch.response_lengths[i]] for i in ids]
+    assert [mb.prompt_ids[u][mb.prompt_mask[u].bool()].tolist()
+            for u in mb.prompt_index.tolist()] == prompts
+    assert len(mb.prompt_ids) == 3 and mb.prompt_index.tolist() == [0, 1, 2, 1, 0]
+    # Rows hold responses only; col -1 (first response token) is the prompt's last position,
+    # so input_ids[row, col + 1] is every target, as in the per-sample layout.
+    assert torch.equal(mb.input_ids[mb.row_idx, mb.col_idx + 1], mb.targets)
+    flat = build_micro_batch(batch, ids, pad_token_id=0)
+    for name in ("targets", "seq_idx", "loss_mask", "rollout_log_probs", "rollout_mask"):
+        assert torch.equal(getattr(mb, name), getattr(flat, name)), name
+    assert int((mb.col_idx == -1).sum()) == len(ids)
+    # Each row sees its prompt's real tokens, then its response, at the positions it has
+    # in the full sequence.
+    for r, i in enumerate(ids):
+        p, n = len(prompts[r]), batch.response_lengths[i]
+        assert mb.attention_mask[r].sum().item() == p + n
+        assert mb.position_ids[r, :n].tolist() == list(range(p, p + n))
 
 
 def test_check_batch_names_the_bad_sample():

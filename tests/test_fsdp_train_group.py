@@ -78,6 +78,29 @@ def test_two_ranks_equal_one_rank(ray_local, tiny_model_path, algo):
         torch.testing.assert_close(p1[name], p2[name], atol=0.05 * train["lr"], rtol=0, msg=name)
 
 
+def test_shared_prompts_equal_per_sample_rows(ray_local, tiny_model_path):
+    """train.share_prompts (each prompt's forward/backward once, its KV expanded to the
+    group) computes what one sample per row does: log-probs, metrics, the update."""
+    batch = make_batch(num_groups=3, group_size=4, prompt_len=(8, 20), seed=6)
+    results = {}
+    for share in (False, True):
+        group = TrainGroup(make_config(train={"share_prompts": share, "lr": 1e-3},
+                                       algo={"entropy_coef": 0.01}))
+        try:
+            log_probs = group.log_probs(batch)
+            metrics = group.train_step(batch)
+            results[share] = (log_probs, metrics, exported_params(group))
+        finally:
+            group.shutdown()
+    (lp0, m0, p0), (lp1, m1, p1) = results[False], results[True]
+    for a, b in zip(lp0, lp1):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for key in ("train/pg_loss", "train/entropy", "train/grad_norm"):
+        assert m0[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+    for name in p0:  # see test_two_ranks_equal_one_rank on the tolerance
+        torch.testing.assert_close(p0[name], p1[name], atol=0.05 * 1e-3, rtol=0, msg=name)
+
+
 def test_train_step_improves_objective_and_sft_lowers_nll(group2):
     batch = make_batch(num_groups=4, group_size=4, seed=5)
     before = _surrogate(group2, batch)

@@ -213,6 +213,11 @@ class TrainConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
     gradient_checkpointing: bool = False
+    # Samples that share a prompt (a GRPO group) share one forward/backward of it: the
+    # prompt runs once and its KV cache (with grad) is expanded to its responses, so
+    # log-probs are unchanged. Needs train.backend=fsdp without gradient checkpointing
+    # (transformers drops the cache under checkpointing); null = on where it applies.
+    share_prompts: Optional[bool] = None
 
     def __post_init__(self) -> None:
         _one_of(self.backend, "train.backend", ("fsdp", "megatron"))
@@ -372,6 +377,17 @@ class HomegymConfig:
         if self.algo.max_staleness > 0:
             _check(not cluster.colocate, "algo.max_staleness",
                    "must be 0 when cluster.colocate=true (colocated training is synchronous)")
+        if train.share_prompts:
+            _check(train.backend == "fsdp", "train.share_prompts", "needs train.backend=fsdp")
+            _check(not train.gradient_checkpointing, "train.share_prompts",
+                   "cannot be combined with train.gradient_checkpointing")
+
+    @property
+    def shares_prompts(self) -> bool:
+        """train.share_prompts resolved (null = wherever it applies)."""
+        if self.train.share_prompts is not None:
+            return self.train.share_prompts
+        return self.train.backend == "fsdp" and not self.train.gradient_checkpointing
 
     @property
     def num_engines(self) -> int:

@@ -17,13 +17,21 @@ measured on 2 CPU cores with the tiny Qwen3 (64 samples of 100-200 tokens, eager
 attention, forward+backward), length-sorted padding took 1.24 s and packing into rows of
 512/1024/2048 tokens 2.8/3.6/12.5 s, because eager/sdpa attention with a block-diagonal
 mask still costs row_len^2 per row. Packing wins only with varlen flash attention (GPU).
+
+What does pay on any hardware is not repeating a GRPO group's prompt: with
+``train.share_prompts`` (``build_shared_prompt_micro_batch``) each distinct prompt runs
+once and its KV cache, with grad, is shared by the group's responses. Measured on the
+bench_vs_trl multi-turn batch (32 games of one 79-token prompt, ~80 response tokens each,
+tiny Qwen3, 1 thread): 0.72 s -> 0.45 s per train step, log-probs identical. A packed row
+of [prompt | response | response ...] with a 4D mask computes the same, but eager
+attention over the whole row ate the saving (1.20 s at 1024-token rows, 0.65 s at 512).
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -127,13 +135,14 @@ class MicroBatch:
     """Padded model inputs plus flat per-response-token tensors of a few samples.
 
     Flat token k is predicted by ``logits[row_idx[k], col_idx[k]]`` and is
-    ``input_ids[row_idx[k], col_idx[k] + 1]``. Empty micro-batches (``num_seqs == 0``)
-    hold one dummy token so the model still runs (collectives stay in step).
+    ``input_ids[row_idx[k], col_idx[k] + 1]``; with shared prompts, ``col_idx == -1`` is the
+    last position of the row's prompt. Empty micro-batches (``num_seqs == 0``) hold one
+    dummy token so the model still runs (collectives stay in step).
     """
 
     sample_ids: list[int]
     input_ids: torch.Tensor  # [B, T] long
-    attention_mask: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long, 1 = real token ([B, P + T] with prompt_ids)
     row_idx: torch.Tensor  # [N]
     col_idx: torch.Tensor  # [N]
     targets: torch.Tensor  # [N]
@@ -141,6 +150,11 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [N] float
     rollout_log_probs: torch.Tensor  # [N] float (0 where the sample has none)
     rollout_mask: torch.Tensor  # [N] float, 1 where the sample has engine log-probs
+    # Shared prompts (build_shared_prompt_micro_batch): rows hold responses only.
+    position_ids: Optional[torch.Tensor] = None  # [B, T]
+    prompt_ids: Optional[torch.Tensor] = None  # [U, P] the distinct prompts, right-padded
+    prompt_mask: Optional[torch.Tensor] = None  # [U, P]
+    prompt_index: Optional[torch.Tensor] = None  # [B] each row's prompt
 
     @property
     def num_seqs(self) -> int:
@@ -172,6 +186,12 @@ def build_micro_batch(batch: BatchLike, sample_ids: list[int], *, pad_token_id: 
     col_idx = (lengths - resp - 1)[seq_idx] + within
     row_idx = seq_idx
     targets = input_ids[row_idx, col_idx + 1]
+    return MicroBatch(list(sample_ids), input_ids, attention_mask, row_idx, col_idx, targets,
+                      seq_idx, *_token_fields(batch, sample_ids, seq_idx))
+
+
+def _token_fields(batch: BatchLike, sample_ids: Sequence[int], seq_idx: torch.Tensor):
+    """Flat loss mask, engine log-probs and their presence mask, in sample order."""
     loss_mask = torch.tensor([m for i in sample_ids for m in batch.loss_masks[i]],
                              dtype=torch.float32)
     has_lp = [bool(batch.rollout_log_probs[i]) for i in sample_ids]
@@ -180,8 +200,53 @@ def build_micro_batch(batch: BatchLike, sample_ids: list[int], *, pad_token_id: 
                                          else [0.0] * batch.response_lengths[i])],
                               dtype=torch.float32)
     rollout_mask = torch.tensor(has_lp, dtype=torch.float32)[seq_idx]
-    return MicroBatch(list(sample_ids), input_ids, attention_mask, row_idx, col_idx, targets,
-                      seq_idx, loss_mask, rollout_lp, rollout_mask)
+    return loss_mask, rollout_lp, rollout_mask
+
+
+def build_shared_prompt_micro_batch(batch: BatchLike, sample_ids: list[int], *,
+                                    pad_token_id: int) -> MicroBatch:
+    """Like ``build_micro_batch``, but each distinct prompt among ``sample_ids`` (a GRPO
+    group's) is computed once: ``prompt_ids`` holds the distinct prompts, the rows of
+    ``input_ids`` only the responses. The backend runs the prompts first and hands their
+    KV cache, expanded to the rows, to the response forward (positions continue after the
+    prompt, the mask covers prompt + response), so log-probs equal the per-sample layout's
+    while the prompt's forward/backward runs once per group instead of once per sample.
+
+    Flat token t of a row is predicted at ``col_idx`` of that row; ``col_idx == -1`` (every
+    response's first token) means the last position of the row's prompt.
+    """
+    if not sample_ids:
+        return build_micro_batch(batch, sample_ids, pad_token_id=pad_token_id)
+    slot: dict[tuple, int] = {}
+    prompts, index = [], []
+    for i in sample_ids:
+        key = tuple(batch.tokens[i][:len(batch.tokens[i]) - batch.response_lengths[i]])
+        if key not in slot:
+            slot[key] = len(prompts)
+            prompts.append(torch.tensor(key, dtype=torch.long))
+        index.append(slot[key])
+    prompt_len = torch.tensor([len(p) for p in prompts])
+    prompt_ids = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True,
+                                                 padding_value=pad_token_id)
+    prompt_mask = (torch.arange(prompt_ids.shape[1])[None, :] < prompt_len[:, None]).long()
+    index_t = torch.tensor(index)
+    resp = torch.tensor([batch.response_lengths[i] for i in sample_ids])
+    responses = [torch.tensor(batch.tokens[i][-batch.response_lengths[i]:], dtype=torch.long)
+                 for i in sample_ids]
+    input_ids = torch.nn.utils.rnn.pad_sequence(responses, batch_first=True,
+                                                padding_value=pad_token_id)
+    width = input_ids.shape[1]
+    response_mask = (torch.arange(width)[None, :] < resp[:, None]).long()
+    attention_mask = torch.cat([prompt_mask[index_t], response_mask], 1)
+    position_ids = prompt_len[index_t][:, None] + torch.arange(width)[None, :]
+    seq_idx = torch.repeat_interleave(torch.arange(len(sample_ids)), resp)
+    offsets = torch.cumsum(resp, 0) - resp
+    col_idx = torch.arange(int(resp.sum())) - offsets[seq_idx] - 1
+    targets = torch.cat(responses)
+    return MicroBatch(list(sample_ids), input_ids, attention_mask, seq_idx, col_idx, targets,
+                      seq_idx, *_token_fields(batch, sample_ids, seq_idx),
+                      position_ids=position_ids, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+                      prompt_index=index_t)
 
 
 def step_norms(batch: BatchLike, sample_range: Sequence[int]) -> LossNorms:

@@ -13,18 +13,21 @@ same objective.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import time
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from transformers import DynamicCache
 
 from trainer.algo.losses import entropy_from_logits, token_log_probs
 from trainer.algo.objective import TokenInputs, policy_objective, sft_objective
 from trainer.backends.base import NamedTensors
 from trainer.backends.batching import (
-    BatchLike, MicroBatch, build_micro_batch, check_batch, minibatch_ranges, plan_step,
+    BatchLike, MicroBatch, build_micro_batch, build_shared_prompt_micro_batch, check_batch,
+    minibatch_ranges, plan_step,
     step_norms)
 from trainer.backends.rl_step import (
     micro_batch_advantages, per_sample_log_probs, train_step_metrics)
@@ -58,6 +61,10 @@ class FSDPBackend:
         self.optimizer_steps = 0  # RL optimizer steps (drives the LR schedule)
         self.sft_steps = 0
         self.pad_token_id = self.model.config.pad_token_id or 0
+        self.share_prompts = config.shares_prompts
+        # transformers >= 5.2x renamed past_key_values to cache (the old name warns).
+        self.cache_kw = ("cache" if "cache" in inspect.signature(self.model.forward).parameters
+                         else "past_key_values")
         samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
         per_rollout = samples // (train.global_batch_size or samples)
         self.total_optimizer_steps = max(train.num_steps * per_rollout, 1)
@@ -91,14 +98,46 @@ class FSDPBackend:
         return model
 
     # ----------------------------------------------------------------- forward passes
+    def _micro_batch(self, batch: BatchLike, sample_ids: list[int]) -> MicroBatch:
+        if self.share_prompts:
+            return build_shared_prompt_micro_batch(batch, sample_ids,
+                                                   pad_token_id=self.pad_token_id)
+        return build_micro_batch(batch, sample_ids, pad_token_id=self.pad_token_id)
+
     def _forward(self, model: torch.nn.Module, mb: MicroBatch, *, with_entropy: bool,
                  entropy_grad: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Flat log-probs (and entropies) of mb's response tokens."""
         mb = mb.to(self.device)
+        # The LM head runs only where a response token is predicted (a boolean
+        # logits_to_keep: transformers returns those positions flattened, row-major).
+        keep = torch.zeros(mb.input_ids.shape, dtype=torch.bool, device=self.device)
+        inside = mb.col_idx >= 0
+        keep[mb.row_idx[inside], mb.col_idx[inside]] = True
+        extra: dict = {}
+        if mb.prompt_ids is not None:
+            # Each distinct prompt once; its KV cache (with grad) expanded to its rows.
+            last = torch.zeros(mb.prompt_ids.shape, dtype=torch.bool, device=self.device)
+            last[torch.arange(len(last)), mb.prompt_mask.sum(1) - 1] = True
+            out = model(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, use_cache=True,
+                        logits_to_keep=last, **{self.cache_kw: DynamicCache()})
+            cache = out.cache if self.cache_kw == "cache" else out.past_key_values
+            for layer in cache.layers:
+                layer.keys = layer.keys.index_select(0, mb.prompt_index)
+                layer.values = layer.values.index_select(0, mb.prompt_index)
+            extra = {"position_ids": mb.position_ids, self.cache_kw: cache, "use_cache": True}
+            prompt_logits = out.logits if out.logits.dim() == 2 else out.logits[last]
+        else:
+            extra = {"use_cache": False}
         logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                       use_cache=False).logits
-        # Only the response positions go through log-softmax (prompt logits are unused).
-        selected = logits[mb.row_idx, mb.col_idx]
+                       logits_to_keep=keep, **extra).logits
+        if logits.dim() == 3:  # a model that ignores a boolean logits_to_keep: all positions
+            logits = logits[keep]
+        flat = keep.flatten().cumsum(0) - 1  # position -> row of the flattened logits
+        at = flat[mb.row_idx * keep.shape[1] + mb.col_idx.clamp(min=0)]
+        if mb.prompt_ids is not None:  # first response tokens: the prompt's last position
+            at = torch.where(inside, at, len(logits) + mb.prompt_index[mb.row_idx])
+            logits = torch.cat([logits, prompt_logits])
+        selected = logits[at]
         logp = token_log_probs(selected, mb.targets)
         entropy = None
         if with_entropy:
@@ -116,7 +155,7 @@ class FSDPBackend:
         plan = plan_step(batch, rank=self.rank, world_size=self.world_size,
                          global_batch_size=None,
                          max_tokens=self.config.train.max_tokens_per_micro_batch)[0]
-        mbs = [build_micro_batch(batch, ids, pad_token_id=self.pad_token_id) for ids in plan]
+        mbs = [self._micro_batch(batch, ids) for ids in plan]
         self.model.eval()
         return per_sample_log_probs(mbs, self._no_grad_log_probs(self.model, mbs),
                                     num_samples=len(batch.tokens))
@@ -163,7 +202,7 @@ class FSDPBackend:
         plan = plan_step(batch, rank=self.rank, world_size=self.world_size,
                          global_batch_size=train.global_batch_size,
                          max_tokens=train.max_tokens_per_micro_batch)
-        mbs = [[build_micro_batch(batch, ids, pad_token_id=self.pad_token_id) for ids in step]
+        mbs = [[self._micro_batch(batch, ids) for ids in step]
                for step in plan]
         flat_mbs = [mb for step in mbs for mb in step]
 
@@ -225,7 +264,7 @@ class FSDPBackend:
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
         for j, ids in enumerate(plan):
-            mb = build_micro_batch(batch, ids, pad_token_id=self.pad_token_id)
+            mb = self._micro_batch(batch, ids)
             logp, _ = self._forward(self.model, mb, with_entropy=False)
             loss, metrics = sft_objective(logp, mb.loss_mask.to(self.device), norms)
             if mb.num_seqs == 0:
