@@ -1,9 +1,9 @@
 """homegym vs TRL's GRPOTrainer on the guessing game, same model / batch / optimiser / steps.
 
     .venv/bin/python scripts/bench_vs_trl.py [--model tiny-qwen3|smollm2-135m|DIR]
-        [--tasks multi,single] [--systems homegym,trl] [--steps 20] [--prompts 4]
-        [--samples 8] [--max-new-tokens 8] [--warmup-steps 400] [--out outputs/bench_vs_trl]
-        [--engines 1 --ranks 1]
+        [--tasks multi,single] [--systems homegym,homegym_async,trl] [--steps 20]
+        [--threads 1] [--prompts 4] [--samples 8] [--max-new-tokens 8]
+        [--warmup-steps 400] [--out outputs/bench_vs_trl] [--engines 1 --ranks 1]
 
 TRL (`pip install -c constraints.txt -e '.[bench]'`) is an optional benchmark dependency.
 
@@ -17,7 +17,9 @@ TRL (`pip install -c constraints.txt -e '.[bench]'`) is an optional benchmark de
    - homegym through its public path, ``trainer.loop.train(compose_config(overrides))``:
      real Ray, HF engine(s) behind sglang-router, FSDP rank(s), weight sync; timings from
      its metrics.jsonl (perf/step_time, rollout_time, train_time, weight_sync_time).
-   - TRL: ``GRPOTrainer(use_cpu=True)``, one torch thread; multi-turn through the
+     ``homegym`` is colocated and synchronous (engine and rank take turns);
+     ``homegym_async`` is disaggregated with algo.max_staleness=1 (one thread per process).
+   - TRL: ``GRPOTrainer(use_cpu=True)``, --threads torch threads; multi-turn through the
      experimental ``rollout_func`` returning ``env_mask`` (the games are played with batched
      ``model.generate`` per turn: all live episodes advance together); single-turn through
      TRL's own generation path with a reward function wrapping the same environment.
@@ -26,6 +28,10 @@ TRL (`pip install -c constraints.txt -e '.[bench]'`) is an optional benchmark de
 3. The limit: the same tokens in one process, no serving layer -- the step's generation
    forwards (batched KV-cache decode) plus one forward/backward/AdamW over the batch.
 
+Threads: --threads applies to TRL, colocated homegym and the limit. On this 2-core box,
+quiet, 2 threads run a matmul ~1.9x faster than 1; under load (other processes running)
+2 threads collapse (spinning OpenMP workers), so compare both settings.
+
 Writes --out/results.json, --out/results.md and --out/reward_vs_time_<task>.png, and prints
 the table. Timings depend on the machine and its load (reported alongside).
 """
@@ -33,6 +39,7 @@ the table. Timings depend on the machine and its load (reported alongside).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -135,23 +142,28 @@ def warm_model(args) -> str:
 
 
 # ====================================================================== homegym
-def run_homegym(args, model_path: str, task: str, out: Path) -> dict:
+def run_homegym(args, model_path: str, task: str, out: Path, *, overlap: bool = False) -> dict:
+    """``overlap``: homegym's disaggregated async mode -- the engine generates step k+1 on
+    one core while the rank trains step k on the other (algo.max_staleness=1), one thread
+    per process whatever --threads says (two processes already fill the two cores)."""
     import torch
 
-    torch.set_num_threads(args.threads)
+    threads = 1 if overlap else args.threads
+    torch.set_num_threads(threads)
     from trainer.api import compose_config
     from trainer.loop import train
 
-    run_name = f"homegym-{task}"
+    run_name = f"homegym{'_async' if overlap else ''}-{task}"
     # A fresh run every time: an earlier run's checkpoints would otherwise be resumed.
     shutil.rmtree(out / run_name, ignore_errors=True)
     overrides = base_overrides(args, model_path, task) + [
         "warmup.steps=0", "eval.before_and_after=false", f"train.num_steps={args.steps}",
         f"rollout.num_engines={args.engines}", f"train.ranks_per_node={args.ranks}",
         "train.save_interval=null", "logging.wandb_mode=disabled",
-        f"cluster.torch_threads={args.threads}",
+        f"cluster.torch_threads={threads}",
         f"logging.output_dir={out}", f"logging.run_name={run_name}",
-        f"train.seed={args.seed}"] + list(args.homegym_override)
+        f"train.seed={args.seed}"] + (["cluster.colocate=false", "algo.max_staleness=1"]
+                                      if overlap else []) + list(args.homegym_override)
     config = compose_config(overrides)
     # A Ray instance of our own: a bare ray.init() would join any other cluster on the box.
     import ray
@@ -498,10 +510,11 @@ def write_report(args, results: dict, out: Path) -> str:
                          f"{lim['train_time'] / lim['step_time']:.0%} | | | | |")
     lines.append("")
     for task, per in results["tasks"].items():
-        if "homegym" in per and "trl" in per:
-            h, t = per["homegym"]["summary"], per["trl"]["summary"]
-            lines.append(f"- {task}: homegym/TRL episodes/s = "
-                         f"{h['episodes_per_s'] / t['episodes_per_s']:.2f}x")
+        for system in ("homegym", "homegym_async"):
+            if system in per and "trl" in per:
+                h, t = per[system]["summary"], per["trl"]["summary"]
+                lines.append(f"- {task}: {system}/TRL episodes/s = "
+                             f"{h['episodes_per_s'] / t['episodes_per_s']:.2f}x")
         if "homegym" in per and "_limit" in per:
             lines.append(f"- {task}: homegym median step / limit = "
                          f"{per['homegym']['summary']['median_step_s'] / per['_limit']['step_time']:.1f}x")
@@ -539,7 +552,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-qwen3")
     p.add_argument("--tasks", default="multi,single")
-    p.add_argument("--systems", default="homegym,trl")
+    p.add_argument("--systems", default="homegym,homegym_async,trl",
+                   help="any of homegym (colocated, synchronous), homegym_async "
+                        "(disaggregated, max_staleness=1), trl")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--samples", type=int, default=8)
@@ -566,7 +581,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     if args._worker:  # a subprocess: one system, one task
-        fn = {"homegym": run_homegym, "trl": run_trl}[args._worker]
+        fn = {"homegym": run_homegym, "trl": run_trl,
+              "homegym_async": functools.partial(run_homegym, overlap=True)}[args._worker]
         res = fn(args, args._model_path, args._task, out)
         Path(args._result).write_text(json.dumps(res))
         return

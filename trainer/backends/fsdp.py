@@ -113,7 +113,7 @@ class FSDPBackend:
         keep = torch.zeros(mb.input_ids.shape, dtype=torch.bool, device=self.device)
         inside = mb.col_idx >= 0
         keep[mb.row_idx[inside], mb.col_idx[inside]] = True
-        extra: dict = {}
+        extra: dict = {"use_cache": False}
         if mb.prompt_ids is not None:
             # Each distinct prompt once; its KV cache (with grad) expanded to its rows.
             last = torch.zeros(mb.prompt_ids.shape, dtype=torch.bool, device=self.device)
@@ -126,8 +126,6 @@ class FSDPBackend:
                 layer.values = layer.values.index_select(0, mb.prompt_index)
             extra = {"position_ids": mb.position_ids, self.cache_kw: cache, "use_cache": True}
             prompt_logits = out.logits if out.logits.dim() == 2 else out.logits[last]
-        else:
-            extra = {"use_cache": False}
         logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                        logits_to_keep=keep, **extra).logits
         if logits.dim() == 3:  # a model that ignores a boolean logits_to_keep: all positions
