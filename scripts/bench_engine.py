@@ -91,6 +91,17 @@ async def run_multiturn(url: str, episodes: int, turns: int, vocab: int, seed: i
     return dt, sum(tokens), len(latencies), latencies[len(latencies) // 2]
 
 
+def left_pad(chunk: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), left-padded as generate() wants."""
+    width = max(len(p) for p in chunk)
+    ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for j, p in enumerate(chunk):
+        ids[j, width - len(p):] = torch.tensor(p)
+        mask[j, width - len(p):] = 1
+    return ids, mask
+
+
 def run_hf_generate(model, prompts, new_tokens: int, batch_size: int, pad_id: int):
     total, t0 = 0, None
     for warm in (True, False):
@@ -98,12 +109,8 @@ def run_hf_generate(model, prompts, new_tokens: int, batch_size: int, pad_id: in
             t0 = time.perf_counter()
         for i in range(0, len(prompts), batch_size):
             chunk = prompts[i:i + batch_size] if not warm else prompts[:2]
-            width = max(len(p) for p in chunk)
-            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for j, p in enumerate(chunk):
-                ids[j, width - len(p):] = torch.tensor(p)
-                mask[j, width - len(p):] = 1
+            ids, mask = left_pad(chunk, pad_id)
+            width = ids.shape[1]
             with torch.no_grad():
                 out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
                                      temperature=1.0, top_k=0, top_p=1.0,
@@ -133,12 +140,7 @@ def forward_bound(model, prompts: list[list[int]], new_tokens: int, pad_id: int,
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def prefill(chunk):
-        width = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, p in enumerate(chunk):
-            ids[j, width - len(p):] = torch.tensor(p)
-            mask[j, width - len(p):] = 1
+        ids, mask = left_pad(chunk, pad_id)
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                     logits_to_keep=1, **{kw: DynamicCache()})

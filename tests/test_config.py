@@ -86,11 +86,21 @@ def test_wrong_type_is_named():
     (["algo.max_staleness=1"], "algo.max_staleness", "colocate"),
     (["train.global_batch_size=7"], "train.global_batch_size", "must divide"),
     (["warmup.splits=[train,test]"], "warmup.splits", "'train' / 'eval'"),
+    (["train.share_prompts=true", "train.backend=megatron"], "train.share_prompts", "fsdp"),
+    (["train.share_prompts=true", "train.gradient_checkpointing=true"], "train.share_prompts",
+     "gradient_checkpointing"),
 ])
 def test_rule_violations_name_key_and_rule(overrides, key, rule):
     with pytest.raises(ConfigError, match=rule) as info:
         compose_config(*overrides)
     assert str(info.value).startswith(key)
+
+
+def test_share_prompts_defaults_to_where_it_applies():
+    assert compose_config().shares_prompts
+    assert not compose_config("train.gradient_checkpointing=true").shares_prompts
+    assert not compose_config("+recipe=qwen_4b").shares_prompts  # megatron
+    assert not compose_config("train.share_prompts=false").shares_prompts
 
 
 def test_cfg_job_prints_the_gpu_recipe_on_any_machine():

@@ -27,8 +27,7 @@ from trainer.algo.objective import TokenInputs, policy_objective, sft_objective
 from trainer.backends.base import NamedTensors
 from trainer.backends.batching import (
     BatchLike, MicroBatch, build_micro_batch, build_shared_prompt_micro_batch, check_batch,
-    minibatch_ranges, plan_step,
-    step_norms)
+    minibatch_ranges, plan_step, step_norms)
 from trainer.backends.rl_step import (
     micro_batch_advantages, per_sample_log_probs, train_step_metrics)
 from trainer.backends.schedule import lr_at
@@ -200,8 +199,7 @@ class FSDPBackend:
         plan = plan_step(batch, rank=self.rank, world_size=self.world_size,
                          global_batch_size=train.global_batch_size,
                          max_tokens=train.max_tokens_per_micro_batch)
-        mbs = [[self._micro_batch(batch, ids) for ids in step]
-               for step in plan]
+        mbs = [[self._micro_batch(batch, ids) for ids in step] for step in plan]
         flat_mbs = [mb for step in mbs for mb in step]
 
         # Old log-probs come from a forward before any update when there are several
