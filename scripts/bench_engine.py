@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import os
 import sys
 import time
@@ -134,10 +133,10 @@ def forward_bound(model, prompts: list[list[int]], new_tokens: int, pad_id: int,
     from transformers import DynamicCache
 
     from rollout.engines.hf.fast_kernels import GrowingLayer
+    from trainer.models import cache_kwarg
 
     b = len(prompts)
-    # transformers >= 5.2x renamed past_key_values to cache (the old name warns).
-    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    kw = cache_kwarg(model)
 
     def prefill(chunk):
         ids, mask = left_pad(chunk, pad_id)

@@ -40,6 +40,14 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
+def cache_kwarg(model) -> str:
+    """The forward() keyword for a KV cache: transformers >= 5.2x renamed
+    ``past_key_values`` to ``cache`` (the old name still works, with a warning)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def default_cache_dir() -> Path:
     root = os.environ.get("HOMEGYM_CACHE") or os.path.join(Path.home(), ".cache", "homegym")
     return Path(root) / "models"

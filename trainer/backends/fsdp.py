@@ -13,7 +13,6 @@ same objective.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import time
 from typing import Iterator, Optional
@@ -31,6 +30,7 @@ from trainer.backends.batching import (
 from trainer.backends.rl_step import (
     micro_batch_advantages, per_sample_log_probs, train_step_metrics)
 from trainer.backends.schedule import lr_at
+from trainer.models import cache_kwarg
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,9 +61,7 @@ class FSDPBackend:
         self.sft_steps = 0
         self.pad_token_id = self.model.config.pad_token_id or 0
         self.share_prompts = config.shares_prompts
-        # transformers >= 5.2x renamed past_key_values to cache (the old name warns).
-        self.cache_kw = ("cache" if "cache" in inspect.signature(self.model.forward).parameters
-                         else "past_key_values")
+        self.cache_kw = cache_kwarg(self.model)
         samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
         per_rollout = samples // (train.global_batch_size or samples)
         self.total_optimizer_steps = max(train.num_steps * per_rollout, 1)

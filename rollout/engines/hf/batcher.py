@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from rollout.engines.hf.fast_kernels import GrowingLayer
+from trainer.models import cache_kwarg
 
 RETURN_ORIGINAL_LOGPROB = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in (
     "1", "true", "yes")
@@ -184,10 +185,7 @@ class Batcher:
         self.abort_q: "queue.SimpleQueue[Optional[str]]" = queue.SimpleQueue()  # None = all
         self.default_gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
         self.steps = 0
-        # transformers >= 5.2x renamed past_key_values to cache (the old name warns).
-        import inspect
-        self._cache_kw = ("cache" if "cache" in inspect.signature(model.forward).parameters
-                          else "past_key_values")
+        self._cache_kw = cache_kwarg(model)
         self.thread = threading.Thread(target=self._loop, name="hf-batcher", daemon=True)
 
     # ---- API used by the HTTP layer (any thread) ----
