@@ -255,5 +255,6 @@ def main() -> None:
     print(f"ratio engine / generate(): {e_tps / h_tps:.2f}x; engine / bound: {e_tps / b_tps:.2f} "
           f"(bound / engine time: {e_dt / bound_dt:.2f}x)")
 
+
 if __name__ == "__main__":
     main()

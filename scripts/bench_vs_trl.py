@@ -49,18 +49,6 @@ import sys
 import time
 from pathlib import Path
 
-
-def _threads_arg() -> str:
-    # Set before torch is imported (here and in the worker subprocesses): OpenMP reads it once.
-    for i, a in enumerate(sys.argv):
-        if a == "--threads" and i + 1 < len(sys.argv):
-            return sys.argv[i + 1]
-        if a.startswith("--threads="):
-            return a.split("=", 1)[1]
-    return "1"
-
-
-os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = _threads_arg()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -577,6 +565,9 @@ def main() -> None:
     p.add_argument("--_model-path", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    # Before anything imports torch (here and in the worker subprocesses, which inherit
+    # it): OpenMP reads its thread count once.
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
 

@@ -117,7 +117,7 @@ class FSDPBackend:
             last[torch.arange(len(last)), mb.prompt_mask.sum(1) - 1] = True
             out = model(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, use_cache=True,
                         logits_to_keep=last, **{self.cache_kw: DynamicCache()})
-            cache = out.cache if self.cache_kw == "cache" else out.past_key_values
+            cache = out[self.cache_kw]
             for layer in cache.layers:
                 layer.keys = layer.keys.index_select(0, mb.prompt_index)
                 layer.values = layer.values.index_select(0, mb.prompt_index)
