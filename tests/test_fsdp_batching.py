@@ -7,7 +7,7 @@ import torch
 
 from train_batches import make_batch
 from trainer.backends.batching import (
-    balanced_partition, build_micro_batch, build_shared_prompt_micro_batch, check_batch,
+    balanced_partition, build_micro_batch, build_shared_prefix_micro_batch, check_batch,
     micro_batches, minibatch_ranges, plan_step, step_norms)
 from trainer.backends.schedule import lr_at
 
@@ -57,27 +57,54 @@ def test_micro_batch_indices_point_at_response_tokens():
     assert norms.num_tokens == sum(map(sum, batch.loss_masks)) and norms.num_seqs == 3
 
 
-def test_shared_prompt_micro_batch_keeps_one_copy_of_each_prompt():
-    batch = make_batch(num_groups=3, group_size=3, prompt_len=(5, 12), seed=4)
+def test_shared_prefix_micro_batch_keeps_one_copy_of_each_prefix():
+    batch = make_batch(num_groups=3, group_size=3, prompt_len=(5, 12), seed=4, common_start=6)
     ids = [7, 0, 4, 1, 8]  # groups 2, 0, 1, 0, 2: three distinct prompts, in first-seen order
-    mb = build_shared_prompt_micro_batch(batch, ids, pad_token_id=0)
-    prompts = [batch.tokens[i][:-batch.response_lengths[i]] for i in ids]
-    assert [mb.prompt_ids[u][mb.prompt_mask[u].bool()].tolist()
-            for u in mb.prompt_index.tolist()] == prompts
-    assert len(mb.prompt_ids) == 3 and mb.prompt_index.tolist() == [0, 1, 2, 1, 0]
-    # Rows hold responses only; col -1 (first response token) is the prompt's last position,
-    # so input_ids[row, col + 1] is every target, as in the per-sample layout.
-    assert torch.equal(mb.input_ids[mb.row_idx, mb.col_idx + 1], mb.targets)
+    mb = build_shared_prefix_micro_batch(batch, ids, pad_token_id=0)
+    s = mb.shared
+    assert len(s.prefix_ids) == 3 and s.prefix_index.tolist() == [0, 1, 2, 1, 0]
+    # Each prefix is the longest its samples share: the prompt and their common start
+    # (group 1 has one sample here: all of it but its last token).
+    for r, i in enumerate(ids):
+        u = int(s.prefix_index[r])
+        prefix = s.prefix_ids[u][s.prefix_mask[u].bool()].tolist()
+        mates = [batch.tokens[j] for j, v in zip(ids, s.prefix_index.tolist()) if v == u]
+        assert batch.tokens[i][:len(prefix)] == prefix
+        if len(mates) > 1:
+            prompt = len(batch.tokens[i]) - batch.response_lengths[i]
+            assert len(prefix) > prompt
+            assert len({tuple(m[:len(prefix) + 1]) for m in mates}) > 1
+        else:
+            assert len(prefix) == len(batch.tokens[i]) - 1
+    # The packed row holds exactly the suffixes, at their positions in the full sequence.
+    suffix_tokens = sum(len(batch.tokens[i]) for i in ids) - sum(
+        int(s.prefix_mask[u].sum()) for u in s.prefix_index.tolist())
+    assert mb.input_ids.shape == (1, suffix_tokens)
+    assert mb.attention_mask.shape == (5, 1, s.width, s.prefix_ids.shape[1] + s.width)
+    # logit_idx picks, for every target, the logits of the position just before it.
+    predictor_pos = torch.cat([s.position_ids[s.keep],
+                               torch.arange(s.prefix_ids.shape[1]).expand_as(s.prefix_ids)[
+                                   s.prefix_keep]])[s.logit_idx]
+    target_pos = torch.cat([torch.arange(len(batch.tokens[i]) - batch.response_lengths[i],
+                                         len(batch.tokens[i])) for i in ids])
+    assert torch.equal(predictor_pos + 1, target_pos)
     flat = build_micro_batch(batch, ids, pad_token_id=0)
     for name in ("targets", "seq_idx", "loss_mask", "rollout_log_probs", "rollout_mask"):
         assert torch.equal(getattr(mb, name), getattr(flat, name)), name
-    assert int((mb.col_idx == -1).sum()) == len(ids)
-    # Each row sees its prompt's real tokens, then its response, at the positions it has
-    # in the full sequence.
-    for r, i in enumerate(ids):
-        p, n = len(prompts[r]), batch.response_lengths[i]
-        assert mb.attention_mask[r].sum().item() == p + n
-        assert mb.position_ids[r, :n].tolist() == list(range(p, p + n))
+
+
+def test_shared_prefix_attention_mask_sees_prefix_then_own_suffix():
+    batch = make_batch(num_groups=1, group_size=3, prompt_len=(4, 4), response_len=(3, 6),
+                       seed=3)
+    mb = build_shared_prefix_micro_batch(batch, [0, 1, 2], pad_token_id=0)
+    s, mask = mb.shared, mb.attention_mask[:, 0]
+    prefix_len = int(s.prefix_mask[0].sum())
+    for r in range(3):
+        n = len(batch.tokens[r]) - prefix_len
+        assert mask[r, :, :prefix_len].all() and not mask[r, :, prefix_len:s.prefix_ids.shape[1]].any()
+        own = mask[r, :n, s.prefix_ids.shape[1]:]
+        assert torch.equal(own, torch.ones(n, s.width, dtype=torch.bool).tril()[:, :s.width]
+                           & (torch.arange(s.width) < n))
 
 
 def test_check_batch_names_the_bad_sample():

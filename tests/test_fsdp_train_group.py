@@ -78,10 +78,11 @@ def test_two_ranks_equal_one_rank(ray_local, tiny_model_path, algo):
         torch.testing.assert_close(p1[name], p2[name], atol=0.05 * train["lr"], rtol=0, msg=name)
 
 
-def test_shared_prompts_equal_per_sample_rows(ray_local, tiny_model_path):
-    """train.share_prompts (each prompt's forward/backward once, its KV expanded to the
-    group) computes what one sample per row does: log-probs, metrics, the update."""
-    batch = make_batch(num_groups=3, group_size=4, prompt_len=(8, 20), seed=6)
+def test_shared_prefixes_equal_per_sample_rows(ray_local, tiny_model_path):
+    """train.share_prompts (a group's common prefix -- prompt and shared first tokens --
+    runs once, its KV expanded to the packed suffixes) computes what one sample per row
+    does: log-probs, metrics, the update."""
+    batch = make_batch(num_groups=3, group_size=4, prompt_len=(8, 20), seed=6, common_start=5)
     results = {}
     for share in (False, True):
         group = TrainGroup(make_config(train={"share_prompts": share, "lr": 1e-3},

@@ -26,14 +26,18 @@ def Batch(tokens, response_lengths, loss_masks, rollout_log_probs, rewards, grou
 
 def make_batch(*, num_groups: int = 4, group_size: int = 4, prompt_len: tuple[int, int] = (10, 20),
                response_len: tuple[int, int] = (5, 30), vocab: int = 400, seed: int = 0,
-               env_tokens: bool = True) -> SimpleNamespace:
+               env_tokens: bool = True, common_start: int = 0) -> SimpleNamespace:
+    """``common_start``: a group's responses begin with the same tokens, up to this many
+    (as when a group's first turn is the same)."""
     rng = random.Random(seed)
     b = Batch([], [], [], [], [], [])
     for g in range(num_groups):
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(*prompt_len))]
+        start = [rng.randrange(vocab) for _ in range(common_start)]
         for _ in range(group_size):
             r = rng.randint(*response_len)
-            b.tokens.append(prompt + [rng.randrange(vocab) for _ in range(r)])
+            own = [rng.randrange(vocab) for _ in range(r)]
+            b.tokens.append(prompt + start[:r - 1] + own[len(start[:r - 1]):])
             b.response_lengths.append(r)
             mask = [1] * r
             if env_tokens and r > 6:  # a few environment tokens in the middle

@@ -213,10 +213,13 @@ class TrainConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
     gradient_checkpointing: bool = False
-    # Samples that share a prompt (a GRPO group) share one forward/backward of it: the
-    # prompt runs once and its KV cache (with grad) is expanded to its responses, so
-    # log-probs are unchanged. Needs train.backend=fsdp without gradient checkpointing
-    # (transformers drops the cache under checkpointing); null = on where it applies.
+    # Samples that share a prompt (a GRPO group) share one forward/backward of their
+    # longest common prefix (the prompt, and a first turn they have in common): it runs
+    # once and its KV cache (with grad) is handed to the rest of each sample, which runs
+    # packed without padding; log-probs are unchanged. Training then uses homegym's SDPA
+    # attention (trainer/backends/packed_attention.py) whatever model.attn_implementation
+    # says. Needs train.backend=fsdp without gradient checkpointing (transformers drops
+    # the cache under checkpointing); null = on where it applies.
     share_prompts: Optional[bool] = None
 
     def __post_init__(self) -> None:

@@ -12,19 +12,20 @@ same number of micro-batches):
    ``train.max_tokens_per_micro_batch`` (counting padding); ranks with fewer micro-batches
    get empty ones so the counts match.
 
-Padding rather than packing several samples into one row with restarting position_ids:
-measured on 2 CPU cores with the tiny Qwen3 (64 samples of 100-200 tokens, eager
-attention, forward+backward), length-sorted padding took 1.24 s and packing into rows of
-512/1024/2048 tokens 2.8/3.6/12.5 s, because eager/sdpa attention with a block-diagonal
-mask still costs row_len^2 per row. Packing wins only with varlen flash attention (GPU).
+The padded layout (``build_micro_batch``, used by Megatron and with
+``train.share_prompts=false``) pads rather than packs several samples into one row with
+restarting position_ids: measured on 2 CPU cores with the tiny Qwen3 (64 samples of
+100-200 tokens, eager attention, forward+backward), length-sorted padding took 1.24 s and
+packing into rows of 512/1024/2048 tokens 2.8/3.6/12.5 s, because eager/sdpa attention
+with a block-diagonal mask still costs row_len^2 per row.
 
-What does pay on any hardware is not repeating a GRPO group's prompt: with
-``train.share_prompts`` (``build_shared_prompt_micro_batch``) each distinct prompt runs
-once and its KV cache, with grad, is shared by the group's responses. Measured on the
-bench_vs_trl multi-turn batch (32 games of one 79-token prompt, ~80 response tokens each,
-tiny Qwen3, 1 thread): 0.72 s -> 0.45 s per train step, log-probs identical. A packed row
-of [prompt | response | response ...] with a 4D mask computes the same, but eager
-attention over the whole row ate the saving (1.20 s at 1024-token rows, 0.65 s at 512).
+The shared-prefix layout (``build_shared_prefix_micro_batch``, FSDP's default) avoids
+both costs: a GRPO group's common prefix (its prompt, and often a first turn all its
+samples took) runs once, and the rest of each sample runs packed in one row that only
+attention re-pads (``packed_attention``). Measured on the bench_vs_trl multi-turn batch
+(32 games of one 79-token prompt, ~70 response tokens each, tiny Qwen3, 1 thread):
+0.77 s per train step padded, 0.47 s sharing only the prompt (padded responses), 0.33 s
+sharing the common prefix with packed suffixes; log-probs equal to 1e-5.
 """
 
 from __future__ import annotations
@@ -131,39 +132,68 @@ def plan_step(batch: BatchLike, *, rank: int, world_size: int, global_batch_size
 
 
 @dataclass
-class MicroBatch:
-    """Padded model inputs plus flat per-response-token tensors of a few samples.
+class SharedPrefix:
+    """How a micro-batch's samples share prefixes (``build_shared_prefix_micro_batch``).
 
-    Flat token k is predicted by ``logits[row_idx[k], col_idx[k]]`` and is
-    ``input_ids[row_idx[k], col_idx[k] + 1]``; with shared prompts, ``col_idx == -1`` is the
-    last position of the row's prompt. Empty micro-batches (``num_seqs == 0``) hold one
-    dummy token so the model still runs (collectives stay in step).
+    Each sample is ``prefix + suffix``: the prefix is the longest common prefix of the
+    micro-batch's samples with the same prompt (at least the prompt; often a first turn
+    too), computed once; the suffixes are packed into one row without padding, and their
+    attention re-pads them to ``[rows, width]`` and prepends the prefix's KV.
+    """
+
+    prefix_ids: torch.Tensor  # [U, L] distinct prefixes, right-padded
+    prefix_mask: torch.Tensor  # [U, L] long
+    prefix_keep: torch.Tensor  # [U, L] bool: positions that predict a response token
+    prefix_index: torch.Tensor  # [B] each row's prefix
+    position_ids: torch.Tensor  # [1, N] of the packed suffix tokens
+    keep: torch.Tensor  # [1, N] bool: packed positions that predict a response token
+    slot: torch.Tensor  # [N] each packed token's place in the padded [B * width] layout
+    rows: int
+    width: int
+    # Flat response token k is predicted by row logit_idx[k] of
+    # cat(logits[packed keep], logits[prefix keep]) (both row-major).
+    logit_idx: torch.Tensor  # [num response tokens]
+
+    def to(self, device: torch.device | str) -> "SharedPrefix":
+        return SharedPrefix(**_moved(self, device))
+
+
+@dataclass
+class MicroBatch:
+    """Model inputs plus flat per-response-token tensors of a few samples.
+
+    Padded layout (``build_micro_batch``): flat token k is predicted by
+    ``logits[row_idx[k], col_idx[k]]`` and is ``input_ids[row_idx[k], col_idx[k] + 1]``.
+    Shared-prefix layout (``shared`` set): ``input_ids`` is the packed suffixes [1, N] and
+    ``attention_mask`` their re-padded attention mask [B, 1, width, L + width] (bool).
+    Empty micro-batches (``num_seqs == 0``) hold one dummy token so the model still runs
+    (collectives stay in step).
     """
 
     sample_ids: list[int]
-    input_ids: torch.Tensor  # [B, T] long
-    attention_mask: torch.Tensor  # [B, T] long, 1 = real token ([B, P + T] with prompt_ids)
-    row_idx: torch.Tensor  # [N]
-    col_idx: torch.Tensor  # [N]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
     targets: torch.Tensor  # [N]
     seq_idx: torch.Tensor  # [N] sample index within this micro-batch
     loss_mask: torch.Tensor  # [N] float
     rollout_log_probs: torch.Tensor  # [N] float (0 where the sample has none)
     rollout_mask: torch.Tensor  # [N] float, 1 where the sample has engine log-probs
-    # Shared prompts (build_shared_prompt_micro_batch): rows hold responses only.
-    position_ids: Optional[torch.Tensor] = None  # [B, T]
-    prompt_ids: Optional[torch.Tensor] = None  # [U, P] the distinct prompts, right-padded
-    prompt_mask: Optional[torch.Tensor] = None  # [U, P]
-    prompt_index: Optional[torch.Tensor] = None  # [B] each row's prompt
+    row_idx: Optional[torch.Tensor] = None  # [N] padded layout
+    col_idx: Optional[torch.Tensor] = None  # [N] padded layout
+    shared: Optional[SharedPrefix] = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.sample_ids)
 
     def to(self, device: torch.device | str) -> "MicroBatch":
-        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-                 for k, v in self.__dict__.items()}
-        return MicroBatch(**moved)
+        return MicroBatch(**_moved(self, device))
+
+
+def _moved(obj, device) -> dict:
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor)
+                else v.to(device) if isinstance(v, SharedPrefix) else v)
+            for k, v in obj.__dict__.items()}
 
 
 def build_micro_batch(batch: BatchLike, sample_ids: list[int], *, pad_token_id: int) -> MicroBatch:
@@ -172,22 +202,29 @@ def build_micro_batch(batch: BatchLike, sample_ids: list[int], *, pad_token_id: 
     if not sample_ids:
         one = torch.tensor([[pad_token_id, pad_token_id]])
         zero = torch.zeros(1, dtype=torch.long)
-        return MicroBatch([], one, torch.ones_like(one), zero, zero, one[0, 1:].clone(), zero,
-                          torch.zeros(1), torch.zeros(1), torch.zeros(1))
+        return MicroBatch([], one, torch.ones_like(one), one[0, 1:].clone(), zero,
+                          torch.zeros(1), torch.zeros(1), torch.zeros(1), row_idx=zero,
+                          col_idx=zero)
     seqs = [torch.tensor(batch.tokens[i], dtype=torch.long) for i in sample_ids]
     lengths = torch.tensor([len(s) for s in seqs])
     resp = torch.tensor([batch.response_lengths[i] for i in sample_ids])
     input_ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_token_id)
     attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
-    seq_idx = torch.repeat_interleave(torch.arange(len(sample_ids)), resp)
-    offsets = torch.cumsum(resp, 0) - resp
-    within = torch.arange(int(resp.sum())) - offsets[seq_idx]
+    seq_idx, within = _flat_positions(resp)
     # Response token t of a sample sits at position len - resp + t; its logits at one before.
     col_idx = (lengths - resp - 1)[seq_idx] + within
-    row_idx = seq_idx
-    targets = input_ids[row_idx, col_idx + 1]
-    return MicroBatch(list(sample_ids), input_ids, attention_mask, row_idx, col_idx, targets,
-                      seq_idx, *_token_fields(batch, sample_ids, seq_idx))
+    targets = input_ids[seq_idx, col_idx + 1]
+    return MicroBatch(list(sample_ids), input_ids, attention_mask, targets, seq_idx,
+                      *_token_fields(batch, sample_ids, seq_idx), row_idx=seq_idx,
+                      col_idx=col_idx)
+
+
+def _flat_positions(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For flat tokens laid out sample after sample: each token's sample and its index
+    within the sample."""
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    offsets = torch.cumsum(lengths, 0) - lengths
+    return seq_idx, torch.arange(int(lengths.sum())) - offsets[seq_idx]
 
 
 def _token_fields(batch: BatchLike, sample_ids: Sequence[int], seq_idx: torch.Tensor):
@@ -203,50 +240,86 @@ def _token_fields(batch: BatchLike, sample_ids: Sequence[int], seq_idx: torch.Te
     return loss_mask, rollout_lp, rollout_mask
 
 
-def build_shared_prompt_micro_batch(batch: BatchLike, sample_ids: list[int], *,
-                                    pad_token_id: int) -> MicroBatch:
-    """Like ``build_micro_batch``, but each distinct prompt among ``sample_ids`` (a GRPO
-    group's) is computed once: ``prompt_ids`` holds the distinct prompts, the rows of
-    ``input_ids`` only the responses. The backend runs the prompts first and hands their
-    KV cache, expanded to the rows, to the response forward (positions continue after the
-    prompt, the mask covers prompt + response), so log-probs equal the per-sample layout's
-    while the prompt's forward/backward runs once per group instead of once per sample.
+def _shared_prefixes(batch: BatchLike, sample_ids: Sequence[int]):
+    """Per distinct prompt among ``sample_ids`` (first-seen order): the longest prefix its
+    samples share, leaving every sample at least one token of its own; the prompt's
+    length; and each sample's prefix slot."""
+    members: dict[tuple, list[int]] = {}
+    for j, i in enumerate(sample_ids):
+        toks = batch.tokens[i]
+        members.setdefault(tuple(toks[:len(toks) - batch.response_lengths[i]]), []).append(j)
+    prefixes, prompt_lens, slot = [], [], [0] * len(sample_ids)
+    for u, (prompt, rows) in enumerate(members.items()):
+        seqs = [batch.tokens[sample_ids[j]] for j in rows]
+        end = min(len(s) for s in seqs) - 1
+        n = len(prompt)
+        while n < end and all(s[n] == seqs[0][n] for s in seqs):
+            n += 1
+        prefixes.append(seqs[0][:n])
+        prompt_lens.append(len(prompt))
+        for j in rows:
+            slot[j] = u
+    return prefixes, prompt_lens, slot
 
-    Flat token t of a row is predicted at ``col_idx`` of that row; ``col_idx == -1`` (every
-    response's first token) means the last position of the row's prompt.
+
+def build_shared_prefix_micro_batch(batch: BatchLike, sample_ids: list[int], *,
+                                    pad_token_id: int) -> MicroBatch:
+    """Like ``build_micro_batch``, but what samples share is computed once and nothing is
+    padded outside attention.
+
+    Samples with the same prompt (a GRPO group) share at least the prompt and often their
+    first turn; that common prefix runs once per micro-batch, and the backend hands its KV
+    cache (with grad) to the suffixes' attention. The suffixes run packed in one row, so
+    the linear layers see no padding; only attention re-pads them (``SharedPrefix.slot``).
+    Log-probs equal the per-sample layout's; the gradient of a shared token sums over the
+    samples sharing it, as it would per sample.
     """
     if not sample_ids:
         return build_micro_batch(batch, sample_ids, pad_token_id=pad_token_id)
-    slot: dict[tuple, int] = {}
-    prompts, index = [], []
-    for i in sample_ids:
-        key = tuple(batch.tokens[i][:len(batch.tokens[i]) - batch.response_lengths[i]])
-        if key not in slot:
-            slot[key] = len(prompts)
-            prompts.append(torch.tensor(key, dtype=torch.long))
-        index.append(slot[key])
-    prompt_len = torch.tensor([len(p) for p in prompts])
-    prompt_ids = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True,
-                                                 padding_value=pad_token_id)
-    prompt_mask = (torch.arange(prompt_ids.shape[1])[None, :] < prompt_len[:, None]).long()
-    index_t = torch.tensor(index)
+    prefixes, prompt_lens, slot = _shared_prefixes(batch, sample_ids)
+    prefix_len = torch.tensor([len(p) for p in prefixes])
+    prompt_len = torch.tensor(prompt_lens)
+    prefix_ids = torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor(p, dtype=torch.long) for p in prefixes], batch_first=True,
+        padding_value=pad_token_id)
+    pos = torch.arange(prefix_ids.shape[1])[None, :]
+    prefix_mask = (pos < prefix_len[:, None]).long()
+    # A prefix position predicts a response token from the prompt's last token on.
+    prefix_keep = (pos >= prompt_len[:, None] - 1) & (pos < prefix_len[:, None])
+
+    index = torch.tensor(slot)
+    row_prefix = prefix_len[index]  # [B]
+    suffixes = [torch.tensor(batch.tokens[i][int(n):], dtype=torch.long)
+                for i, n in zip(sample_ids, row_prefix)]
+    suffix_len = torch.tensor([len(s) for s in suffixes])
+    rows, width = len(suffixes), int(suffix_len.max())
+    row, col = _flat_positions(suffix_len)
+    keep = col < suffix_len[row] - 1  # a row's last token predicts nothing
+    # Re-padded attention: each row sees its prefix's real tokens, then its suffix causally.
+    q = torch.arange(width)
+    own = (q[None, None, :] <= q[None, :, None]) & (q[None, None, :] < suffix_len[:, None, None])
+    attention_mask = torch.cat([
+        prefix_mask.bool()[index][:, None, :].expand(-1, width, -1), own], 2)[:, None]
+
+    # Which logits predict response token t of each sample: position P + t - 1 of the
+    # full sequence, in the prefix while that is < L, else in the packed suffix.
     resp = torch.tensor([batch.response_lengths[i] for i in sample_ids])
-    responses = [torch.tensor(batch.tokens[i][-batch.response_lengths[i]:], dtype=torch.long)
-                 for i in sample_ids]
-    input_ids = torch.nn.utils.rnn.pad_sequence(responses, batch_first=True,
-                                                padding_value=pad_token_id)
-    width = input_ids.shape[1]
-    response_mask = (torch.arange(width)[None, :] < resp[:, None]).long()
-    attention_mask = torch.cat([prompt_mask[index_t], response_mask], 1)
-    position_ids = prompt_len[index_t][:, None] + torch.arange(width)[None, :]
-    seq_idx = torch.repeat_interleave(torch.arange(len(sample_ids)), resp)
-    offsets = torch.cumsum(resp, 0) - resp
-    col_idx = torch.arange(int(resp.sum())) - offsets[seq_idx] - 1
-    targets = torch.cat(responses)
-    return MicroBatch(list(sample_ids), input_ids, attention_mask, seq_idx, col_idx, targets,
-                      seq_idx, *_token_fields(batch, sample_ids, seq_idx),
-                      position_ids=position_ids, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-                      prompt_index=index_t)
+    seq_idx, t = _flat_positions(resp)
+    at = prompt_len[index][seq_idx] + t - 1
+    packed_kept = torch.cumsum(suffix_len - 1, 0) - (suffix_len - 1)  # first kept, per row
+    prefix_kept = torch.cumsum(prefix_keep.sum(1), 0) - prefix_keep.sum(1)  # per prefix
+    in_prefix = at < row_prefix[seq_idx]
+    logit_idx = torch.where(
+        in_prefix, int(keep.sum()) + prefix_kept[index][seq_idx] + t,
+        packed_kept[seq_idx] + at - row_prefix[seq_idx])
+    shared = SharedPrefix(
+        prefix_ids=prefix_ids, prefix_mask=prefix_mask, prefix_keep=prefix_keep,
+        prefix_index=index, position_ids=(row_prefix[row] + col)[None], keep=keep[None],
+        slot=row * width + col, rows=rows, width=width, logit_idx=logit_idx)
+    targets = torch.cat([torch.tensor(batch.tokens[i][-batch.response_lengths[i]:])
+                         for i in sample_ids])
+    return MicroBatch(list(sample_ids), torch.cat(suffixes)[None], attention_mask, targets,
+                      seq_idx, *_token_fields(batch, sample_ids, seq_idx), shared=shared)
 
 
 def step_norms(batch: BatchLike, sample_range: Sequence[int]) -> LossNorms:

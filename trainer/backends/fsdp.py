@@ -25,14 +25,23 @@ from trainer.algo.losses import entropy_from_logits, token_log_probs
 from trainer.algo.objective import TokenInputs, policy_objective, sft_objective
 from trainer.backends.base import NamedTensors
 from trainer.backends.batching import (
-    BatchLike, MicroBatch, build_micro_batch, build_shared_prompt_micro_batch, check_batch,
+    BatchLike, MicroBatch, build_micro_batch, build_shared_prefix_micro_batch, check_batch,
     minibatch_ranges, plan_step, step_norms)
+from trainer.backends import packed_attention
+from trainer.backends.packed_attention import PackedPrefix
 from trainer.backends.rl_step import (
     micro_batch_advantages, per_sample_log_probs, train_step_metrics)
 from trainer.backends.schedule import lr_at
 from trainer.models import cache_kwarg
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _kept(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Logits at the ``keep`` positions, flattened row-major. With a boolean
+    ``logits_to_keep`` transformers already returns them so; a model that ignores it
+    returns every position."""
+    return logits if logits.dim() == 2 else logits[keep]
 
 
 class FSDPBackend:
@@ -78,8 +87,10 @@ class FSDPBackend:
         # Master weights stay fp32 (AdamW on bf16 weights loses small updates); a lower
         # model.dtype becomes FSDP's compute dtype. The reference model never steps.
         load_dtype = torch.float32 if trainable else dtype
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=load_dtype, attn_implementation=cfg.attn_implementation)
+        # Shared prefixes need their own attention (SDPA over re-padded packed suffixes).
+        attn = packed_attention.register() if self.config.shares_prompts else cfg.attn_implementation
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype,
+                                                     attn_implementation=attn)
         model.config.use_cache = False
         if self.config.train.gradient_checkpointing and trainable:
             model.gradient_checkpointing_enable()
@@ -97,7 +108,7 @@ class FSDPBackend:
     # ----------------------------------------------------------------- forward passes
     def _micro_batch(self, batch: BatchLike, sample_ids: list[int]) -> MicroBatch:
         if self.share_prompts:
-            return build_shared_prompt_micro_batch(batch, sample_ids,
+            return build_shared_prefix_micro_batch(batch, sample_ids,
                                                    pad_token_id=self.pad_token_id)
         return build_micro_batch(batch, sample_ids, pad_token_id=self.pad_token_id)
 
@@ -105,34 +116,17 @@ class FSDPBackend:
                  entropy_grad: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Flat log-probs (and entropies) of mb's response tokens."""
         mb = mb.to(self.device)
-        # The LM head runs only where a response token is predicted (a boolean
-        # logits_to_keep: transformers returns those positions flattened, row-major).
-        keep = torch.zeros(mb.input_ids.shape, dtype=torch.bool, device=self.device)
-        inside = mb.col_idx >= 0
-        keep[mb.row_idx[inside], mb.col_idx[inside]] = True
-        extra: dict = {"use_cache": False}
-        if mb.prompt_ids is not None:
-            # Each distinct prompt once; its KV cache (with grad) expanded to its rows.
-            last = torch.zeros(mb.prompt_ids.shape, dtype=torch.bool, device=self.device)
-            last[torch.arange(len(last)), mb.prompt_mask.sum(1) - 1] = True
-            out = model(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, use_cache=True,
-                        logits_to_keep=last, **{self.cache_kw: DynamicCache()})
-            cache = out[self.cache_kw]
-            for layer in cache.layers:
-                layer.keys = layer.keys.index_select(0, mb.prompt_index)
-                layer.values = layer.values.index_select(0, mb.prompt_index)
-            extra = {"position_ids": mb.position_ids, self.cache_kw: cache, "use_cache": True}
-            prompt_logits = out.logits if out.logits.dim() == 2 else out.logits[last]
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                       logits_to_keep=keep, **extra).logits
-        if logits.dim() == 3:  # a model that ignores a boolean logits_to_keep: all positions
-            logits = logits[keep]
-        flat = keep.flatten().cumsum(0) - 1  # position -> row of the flattened logits
-        at = flat[mb.row_idx * keep.shape[1] + mb.col_idx.clamp(min=0)]
-        if mb.prompt_ids is not None:  # first response tokens: the prompt's last position
-            at = torch.where(inside, at, len(logits) + mb.prompt_index[mb.row_idx])
-            logits = torch.cat([logits, prompt_logits])
-        selected = logits[at]
+        if mb.shared is not None:
+            selected = self._shared_prefix_logits(model, mb)
+        else:
+            # The LM head runs only where a response token is predicted (a boolean
+            # logits_to_keep: transformers returns those positions flattened, row-major).
+            keep = torch.zeros(mb.input_ids.shape, dtype=torch.bool, device=self.device)
+            keep[mb.row_idx, mb.col_idx] = True
+            logits = _kept(model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                 logits_to_keep=keep, use_cache=False).logits, keep)
+            flat = keep.flatten().cumsum(0) - 1  # position -> row of the kept logits
+            selected = logits[flat[mb.row_idx * keep.shape[1] + mb.col_idx]]
         logp = token_log_probs(selected, mb.targets)
         entropy = None
         if with_entropy:
@@ -140,6 +134,24 @@ class FSDPBackend:
             with ctx:
                 entropy = entropy_from_logits(selected)
         return logp, entropy
+
+    def _shared_prefix_logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        """Logits predicting each response token of a shared-prefix micro-batch: each
+        distinct prefix runs once (keeping its KV cache, with grad), then the packed
+        suffixes attend to their prefix's KV through ``packed_attention``."""
+        s = mb.shared
+        out = model(input_ids=s.prefix_ids, attention_mask=s.prefix_mask, use_cache=True,
+                    logits_to_keep=s.prefix_keep, **{self.cache_kw: DynamicCache()})
+        cache = out[self.cache_kw]
+        layout = PackedPrefix(keys=[layer.keys for layer in cache.layers],
+                              values=[layer.values for layer in cache.layers],
+                              prefix_index=s.prefix_index, slot=s.slot, rows=s.rows,
+                              width=s.width)
+        suffix = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                       position_ids=s.position_ids, logits_to_keep=s.keep, use_cache=False,
+                       packed_prefix=layout).logits
+        logits = torch.cat([_kept(suffix, s.keep), _kept(out.logits, s.prefix_keep)])
+        return logits[s.logit_idx]
 
     @torch.no_grad()
     def _no_grad_log_probs(self, model, mbs: list[MicroBatch]) -> list[torch.Tensor]:
