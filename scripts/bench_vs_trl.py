@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_vs_trl.py [--model tiny-qwen3|smollm2-135m|DIR]
         [--tasks multi,single] [--systems homegym,homegym_async,trl] [--steps 20]
-        [--threads 1] [--prompts 4] [--samples 8] [--max-new-tokens 8]
+        [--repeats 1] [--threads 1] [--prompts 4] [--samples 8] [--max-new-tokens 8]
         [--warmup-steps 400] [--out outputs/bench_vs_trl] [--engines 1 --ranks 1]
 
 TRL (`pip install -c constraints.txt -e '.[bench]'`) is an optional benchmark dependency.
@@ -33,7 +33,9 @@ quiet, 2 threads run a matmul ~1.9x faster than 1; under load (other processes r
 2 threads collapse (spinning OpenMP workers), so compare both settings.
 
 Writes --out/results.json, --out/results.md and --out/reward_vs_time_<task>.png, and prints
-the table. Timings depend on the machine and its load (reported alongside).
+the table. Timings depend on the machine and its load (reported alongside); TRL's step time
+varied by ~20% between runs here, so ``--repeats N`` runs every system N times, interleaved,
+and reports each system's median run with the spread of all of them.
 """
 
 from __future__ import annotations
@@ -475,9 +477,9 @@ def write_report(args, results: dict, out: Path) -> str:
              f"{args.prompts * args.samples} episodes/step, {args.max_new_tokens} new tokens/turn, "
              f"{args.steps} steps, homegym {args.engines} engine(s) + {args.ranks} rank(s), "
              f"{args.threads} torch thread(s) per process", "",
-             "| task | system | s/step (median) | episodes/s | gen tok/s | gen | train | sync "
-             "| overhead | success first->last quarter | load (1m) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| task | system | s/step (median) | s/step, all repeats | episodes/s | gen tok/s "
+             "| gen | train | sync | overhead | success first->last quarter | load (1m) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for task, per in results["tasks"].items():
         for system, r in per.items():
             if system.startswith("_"):
@@ -486,13 +488,15 @@ def write_report(args, results: dict, out: Path) -> str:
             sh = s["share"]
             f = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
             lines.append(
-                f"| {task} | {system} | {s['median_step_s']:.3f} | {s['episodes_per_s']:.1f} | "
+                f"| {task} | {system} | {s['median_step_s']:.3f} | "
+                f"{' '.join(f'{x:.3f}' for x in r.get('repeat_step_s', []))} | "
+                f"{s['episodes_per_s']:.1f} | "
                 f"{s['gen_tokens_per_s']:.0f} | {sh['gen_time']:.0%} | {sh['train_time']:.0%} | "
                 f"{sh['sync_time']:.0%} | {sh['overhead']:.0%} | {f(s['success_first_quarter'])}"
                 f" -> {f(s['success_last_quarter'])} | {r['load_before'][0] if r['load_before'] else '-'} |")
         lim = per.get("_limit")
         if lim:
-            lines.append(f"| {task} | limit (raw fwd/bwd, 1 process) | {lim['step_time']:.3f} | "
+            lines.append(f"| {task} | limit (raw fwd/bwd, 1 process) | {lim['step_time']:.3f} | | "
                          f"{args.prompts * args.samples / lim['step_time']:.1f} | | "
                          f"{lim['gen_time'] / lim['step_time']:.0%} | "
                          f"{lim['train_time'] / lim['step_time']:.0%} | | | | |")
@@ -544,6 +548,9 @@ def main() -> None:
                    help="any of homegym (colocated, synchronous), homegym_async "
                         "(disaggregated, max_staleness=1), trl")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every system this many times (interleaved); the report shows "
+                        "each system's median run and the range of its runs' s/step")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=8)
@@ -586,23 +593,31 @@ def main() -> None:
     passthrough = [a for a in sys.argv[1:]]
     for task in args.tasks.split(","):
         per = results["tasks"].setdefault(task, {})
-        for system in args.systems.split(","):
-            res_file = out / f"raw-{system}-{task}.json"
-            load = loadavg()
-            print(f"== {task} / {system} (load {load}) ==", flush=True)
-            t0 = time.perf_counter()
-            subprocess.run(base + passthrough + ["--_worker", system, "--_task", task,
-                                                 "--_model-path", model_path,
-                                                 "--_result", str(res_file)], check=True)
-            r = json.loads(res_file.read_text())
-            r["load_before"], r["load_after"] = load, loadavg()
-            r["wall_s"] = time.perf_counter() - t0
-            r["summary"] = summarize(r, args.prompts * args.samples)
-            per[system] = r
-            s = r["summary"]
-            print(f"   {system}: {s['median_step_s']:.3f} s/step, {s['episodes_per_s']:.1f} "
-                  f"episodes/s, success {s['success_first_quarter']} -> "
-                  f"{s['success_last_quarter']}", flush=True)
+        runs: dict[str, list] = {}
+        # Repeats interleave the systems, so a slow spell of the machine hits all of them.
+        for rep in range(args.repeats):
+            for system in args.systems.split(","):
+                res_file = out / f"raw-{system}-{task}-{rep}.json"
+                load = loadavg()
+                print(f"== {task} / {system} run {rep + 1}/{args.repeats} (load {load}) ==",
+                      flush=True)
+                t0 = time.perf_counter()
+                subprocess.run(base + passthrough + ["--_worker", system, "--_task", task,
+                                                     "--_model-path", model_path,
+                                                     "--_result", str(res_file)], check=True)
+                r = json.loads(res_file.read_text())
+                r["load_before"], r["load_after"] = load, loadavg()
+                r["wall_s"] = time.perf_counter() - t0
+                r["summary"] = summarize(r, args.prompts * args.samples)
+                runs.setdefault(system, []).append(r)
+                s = r["summary"]
+                print(f"   {system}: {s['median_step_s']:.3f} s/step, {s['episodes_per_s']:.1f} "
+                      f"episodes/s, success {s['success_first_quarter']} -> "
+                      f"{s['success_last_quarter']}", flush=True)
+        for system, rs in runs.items():  # report each system's median run
+            rs.sort(key=lambda r: r["summary"]["episodes_per_s"])
+            per[system] = rs[len(rs) // 2]
+            per[system]["repeat_step_s"] = [r["summary"]["median_step_s"] for r in rs]
         if not args.no_limit and "homegym" in per:
             per["_limit"] = run_limit(args, model_path, task, out, per["homegym"])
     results["load_end"] = loadavg()
