@@ -360,3 +360,26 @@ def test_multiturn_prefix_cache_matches_fresh_forward(engine, ref_model):
     engine.update_weights_from_tensor([("model.norm.weight", sd["model.norm.weight"])], version="default")
     third = turn([second_prompts[0] + second[0]["output_ids"] + [5]], 2)
     assert third[0]["meta_info"]["cached_tokens"] == 0
+
+
+def test_prefill_chunks_by_uncached_length(ref_model):
+    """A turn's wave mixes conversations of different lengths whose earlier turns are in
+    the prefix cache: what a prefill computes is the new tokens, so they share one chunk,
+    where uncached prompts of those lengths would be split to limit padding."""
+    from rollout.engines.hf.batcher import Batcher, Request
+
+    b = Batcher(ref_model, None, set(), 1024, prefix_cache_bytes=1 << 20)
+    long_turn = list(range(3, 103))
+    kv = [(torch.zeros(2, 100, 32), torch.zeros(2, 100, 32))]
+    reqs = [Request(rid="a", input_ids=long_turn + [5] * 10, max_new_tokens=1),
+            Request(rid="b", input_ids=[4] * 12, max_new_tokens=1)]
+    assert len(b._prefill_chunks(reqs)) == 2  # 110 vs 12 tokens: too much padding
+    b.prefix_cache.put(tuple(long_turn), kv)
+    assert b.prefix_cache.cached_len(reqs[0].input_ids) == 100
+    assert [len(c) for c in b._prefill_chunks(reqs)] == [2]  # 10 and 12 new tokens
+    # A second holder of the same tokens is counted, not stored again; each pops it once.
+    assert b.prefix_cache.add_ref(tuple(long_turn))
+    assert b.prefix_cache.bytes == 2 * 2 * 100 * 32 * 4
+    assert b.prefix_cache.pop_longest(reqs[0].input_ids)[0] == 100
+    assert b.prefix_cache.pop_longest(reqs[0].input_ids)[0] == 100
+    assert b.prefix_cache.pop_longest(reqs[0].input_ids) is None

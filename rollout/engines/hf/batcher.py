@@ -121,9 +121,7 @@ class PrefixCache:
         size = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
         if size > self.max_bytes:
             return
-        if tokens in self.entries:  # same tokens, same KV: count it instead
-            self.refs[tokens] = self.refs.get(tokens, 1) + 1
-            self.entries.move_to_end(tokens)
+        if self.add_ref(tokens):
             return
         self.entries[tokens] = kv
         self.sizes[tokens] = size
@@ -132,25 +130,40 @@ class PrefixCache:
         while self.bytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
 
+    def add_ref(self, tokens: tuple) -> bool:
+        """Same tokens, same KV: count one more holder of a cached sequence instead of
+        storing it again. False if ``tokens`` is not cached."""
+        if tokens not in self.entries:
+            return False
+        self.refs[tokens] = self.refs.get(tokens, 1) + 1
+        self.entries.move_to_end(tokens)
+        return True
+
+    def _longest(self, ids: list[int]) -> Optional[tuple]:
+        n = len(ids)
+        for length in sorted(self.length_counts, reverse=True):
+            if length < n and (key := tuple(ids[:length])) in self.entries:
+                return key
+        return None
+
+    def cached_len(self, ids: list[int]) -> int:
+        """Length of the longest cached proper prefix of ``ids`` (0 if none), untouched."""
+        key = self._longest(ids) if self.entries else None
+        return len(key) if key else 0
+
     def pop_longest(self, ids: list[int]):
         """(length, kv) of the longest cached proper prefix of ``ids`` (at least one token
         must remain to compute: its logits give the first new token), or None."""
-        if not self.entries:
+        key = self._longest(ids) if self.entries else None
+        if key is None:
             return None
-        n = len(ids)
-        for length in sorted(self.length_counts, reverse=True):
-            if length >= n:
-                continue
-            key = tuple(ids[:length])
-            if key in self.entries:
-                self.hits += 1
-                self.hit_tokens += length
-                refs = self.refs.get(key, 1)
-                if refs > 1:  # shared: readers copy it (prefill), never write it
-                    self.refs[key] = refs - 1
-                    return length, self.entries[key]
-                return length, self._drop(key)
-        return None
+        self.hits += 1
+        self.hit_tokens += len(key)
+        refs = self.refs.get(key, 1)
+        if refs > 1:  # shared: readers copy it (prefill), never write it
+            self.refs[key] = refs - 1
+            return len(key), self.entries[key]
+        return len(key), self._drop(key)
 
 
 class Batcher:
@@ -352,11 +365,15 @@ class Batcher:
         """Group requests of similar length: a left-padded prefill computes every pad
         position (MLP) and pad x pad attention, so mixed lengths in one prefill waste up to
         half the work. Sorted greedy chunks keep padding under ~20% (and bound the size of
-        one prefill's attention tensors)."""
-        reqs = sorted(reqs, key=lambda r: len(r.input_ids))
+        one prefill's attention tensors). The length that counts is what will be computed:
+        a later turn of an episode brings its cached prefix, so a turn's wave of requests
+        (different conversation lengths, similar new tokens) stays one prefill."""
+        new = {id(r): len(r.input_ids) - self.prefix_cache.cached_len(r.input_ids)
+               for r in reqs}
+        reqs = sorted(reqs, key=lambda r: new[id(r)])
         chunks, cur, cur_tokens = [], [], 0
         for r in reqs:
-            n = len(r.input_ids)  # the longest so far: sorted ascending
+            n = new[id(r)]  # the longest so far: sorted ascending
             if cur and (n * (len(cur) + 1) > 1.2 * (cur_tokens + n) + 16
                         or n * (len(cur) + 1) > self.prefill_token_budget):
                 chunks.append(cur)
@@ -455,8 +472,10 @@ class Batcher:
     def _store_prefix(self, i: int, r: Request) -> None:
         """Keep a finished row's KV (prompt + all but the last output token, i.e. what was
         fed) so the episode's next turn, whose prompt extends it, skips that prefill."""
-        real = self.mask[i].nonzero()[:, 0]
         tokens = tuple(r.input_ids) + tuple(r.output_ids[:-1])
+        if self.prefix_cache.add_ref(tokens):  # a group mate played the same: no copy
+            return
+        real = self.mask[i].nonzero()[:, 0]
         if len(real) != len(tokens):
             return
         kv = [(layer.keys[i].index_select(1, real), layer.values[i].index_select(1, real))

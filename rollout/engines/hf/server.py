@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import glob
 import logging
 import os
+import threading
 import time
 import uuid
 from typing import Any, Optional
@@ -111,8 +113,29 @@ class Server:
         self.groups: dict[str, Any] = {}
         self.released_shapes: Optional[dict] = None
         self.weights_need_update = False
+        # Finished requests waiting for the event loop; one wake-up per batch of them.
+        self._finished: list[tuple[asyncio.Future, Request]] = []
+        self._finished_lock = threading.Lock()
 
     # ---- plumbing ----
+    def _request_finished(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future,
+                          req: Request) -> None:
+        """Called on the scheduler thread. A decode step often finishes a whole turn's
+        requests at once; waking the loop once for all of them (not once each: a pipe
+        write apiece, ~5% of engine time in multi-turn rollouts) is enough."""
+        with self._finished_lock:
+            self._finished.append((fut, req))
+            first = len(self._finished) == 1
+        if first:
+            loop.call_soon_threadsafe(self._settle_finished)
+
+    def _settle_finished(self) -> None:
+        with self._finished_lock:
+            done, self._finished = self._finished, []
+        for fut, req in done:
+            if not fut.done():
+                fut.set_result(req)
+
     async def on_scheduler(self, fn):
         """Run ``fn`` on the scheduler thread between decode steps and await its result."""
         loop = asyncio.get_running_loop()
@@ -240,14 +263,12 @@ class Server:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
-        def on_done(req):
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
-
         req = Request(rid=rid, input_ids=ids, max_new_tokens=sp["max_new_tokens"],
                       temperature=sp["temperature"], top_p=sp["top_p"], top_k=sp["top_k"],
                       stop_token_ids=sp["stop_token_ids"], stop=sp["stop"],
                       ignore_eos=sp["ignore_eos"], seed=sp["seed"],
-                      return_logprob=return_logprob, on_done=on_done, group_rid=group_rid)
+                      return_logprob=return_logprob, group_rid=group_rid,
+                      on_done=functools.partial(self._request_finished, loop, fut))
         if req.max_new_tokens == 0:
             req.finish_reason = {"type": "length", "length": 0}
             req.weight_version = self.batcher.weight_version
