@@ -383,3 +383,32 @@ def test_prefill_chunks_by_uncached_length(ref_model):
     assert b.prefix_cache.pop_longest(reqs[0].input_ids)[0] == 100
     assert b.prefix_cache.pop_longest(reqs[0].input_ids)[0] == 100
     assert b.prefix_cache.pop_longest(reqs[0].input_ids) is None
+
+
+@torch.no_grad()
+def test_same_next_turn_over_cached_prefix_is_computed_once(ref_model):
+    """Episodes of a group that answered alike send the same next turn: over the same
+    cached prefix it is one forward row, expanded, and the log-probs stay exact."""
+    from rollout.engines.hf.batcher import Batcher, Request
+
+    b = Batcher(ref_model, None, set(), 1024, prefix_cache_bytes=1 << 24)
+
+    def run(batch, new_tokens, temperature):
+        reqs = [Request(rid=str(i), input_ids=q, max_new_tokens=new_tokens,
+                        temperature=temperature, ignore_eos=True, return_logprob=True)
+                for i, q in enumerate(batch)]
+        b._prefill(reqs)
+        while b.rows:
+            b._decode()
+        return reqs
+
+    p = prompts(1, lo=30, hi=31, seed=5)[0]
+    first = run([p] * 4, 3, 0.0)  # greedy: four identical moves, each stored
+    assert b.stats["prefill_rows"] == 1
+    nxt = [p + r.output_ids + [7 + i // 2, 8] for i, r in enumerate(first)]  # two pairs
+    second = run(nxt, 4, 0.9)
+    assert b.stats["prefill_rows"] == 1 + 2
+    for q, r in zip(nxt, second):
+        assert r.cached_tokens == len(p) + 3 - 1
+        want = fresh_logprobs(ref_model, q, r.output_ids, 0.9)
+        assert torch.allclose(torch.tensor(r.logprobs), want, atol=1e-4)

@@ -28,7 +28,6 @@ from trainer.backends.batching import (
     BatchLike, MicroBatch, build_micro_batch, build_shared_prefix_micro_batch, check_batch,
     minibatch_ranges, plan_step, step_norms)
 from trainer.backends import packed_attention
-from trainer.backends.packed_attention import PackedPrefix
 from trainer.backends.rl_step import (
     micro_batch_advantages, per_sample_log_probs, train_step_metrics)
 from trainer.backends.schedule import lr_at
@@ -143,13 +142,12 @@ class FSDPBackend:
         out = model(input_ids=s.prefix_ids, attention_mask=s.prefix_mask, use_cache=True,
                     logits_to_keep=s.prefix_keep, **{self.cache_kw: DynamicCache()})
         cache = out[self.cache_kw]
-        layout = PackedPrefix(keys=[layer.keys for layer in cache.layers],
-                              values=[layer.values for layer in cache.layers],
-                              prefix_index=s.prefix_index, slot=s.slot, rows=s.rows,
-                              width=s.width)
+        prefix_kv = packed_attention.PackedPrefix(
+            keys=[layer.keys for layer in cache.layers],
+            values=[layer.values for layer in cache.layers], layout=s)
         suffix = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                        position_ids=s.position_ids, logits_to_keep=s.keep, use_cache=False,
-                       packed_prefix=layout).logits
+                       packed_prefix=prefix_kv).logits
         logits = torch.cat([_kept(suffix, s.keep), _kept(out.logits, s.prefix_keep)])
         return logits[s.logit_idx]
 

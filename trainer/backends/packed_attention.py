@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from trainer.backends.batching import SharedPrefix
+
 ATTN_NAME = "homegym_packed_sdpa"
 
 
@@ -27,13 +29,10 @@ class PackedPrefix:
 
     keys: list[torch.Tensor]  # per layer [U, H_kv, L, D]: the prefixes' keys (post-RoPE)
     values: list[torch.Tensor]
-    prefix_index: torch.Tensor  # [B] each row's prefix
-    slot: torch.Tensor  # [N] each packed token's place in [B * width]
-    rows: int
-    width: int
+    layout: SharedPrefix  # rows, width, each row's prefix, each packed token's slot
 
 
-def _repad(x: torch.Tensor, layout: PackedPrefix) -> torch.Tensor:
+def _repad(x: torch.Tensor, layout: SharedPrefix) -> torch.Tensor:
     """[1, H, N, D] packed -> [B, H, width, D], zeros where a row is shorter."""
     _, h, _, d = x.shape
     flat = x.new_zeros(layout.rows * layout.width, h, d)
@@ -48,16 +47,16 @@ def packed_prefix_attention(module, query, key, value, attention_mask, scaling=N
     if packed_prefix is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    layout, layer = packed_prefix, module.layer_idx
-    keys = torch.cat([layout.keys[layer].index_select(0, layout.prefix_index),
+    layout, layer = packed_prefix.layout, module.layer_idx
+    keys = torch.cat([packed_prefix.keys[layer].index_select(0, layout.prefix_index),
                       _repad(key, layout)], 2)
-    values = torch.cat([layout.values[layer].index_select(0, layout.prefix_index),
+    values = torch.cat([packed_prefix.values[layer].index_select(0, layout.prefix_index),
                         _repad(value, layout)], 2)
     # GQA in the kernel (no K/V copies per query head): measured 20 ms vs 31 ms with
     # repeat_kv for one layer's forward+backward at the bench_vs_trl shapes on CPU.
     out = F.scaled_dot_product_attention(
-        _repad(query, layout), keys, values, attn_mask=attention_mask, scale=scaling,
-        enable_gqa=keys.shape[1] != query.shape[1])  # [B, H, width, D]
+        _repad(query, layout), keys, values, attn_mask=attention_mask, dropout_p=dropout,
+        scale=scaling, enable_gqa=keys.shape[1] != query.shape[1])  # [B, H, width, D]
     b, h, w, d = out.shape
     packed = out.transpose(1, 2).reshape(b * w, h, d).index_select(0, layout.slot)
     return packed[None], None  # [1, N, H, D], as attention functions return

@@ -177,7 +177,8 @@ class Batcher:
         self.max_batch_size = max_batch_size
         self.prefill_token_budget = 8192  # padded tokens per prefill forward
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
-        self.stats = {"prefills": 0, "prefill_s": 0.0, "decode_s": 0.0}
+        # prefill_rows: forward rows of all prefills (each distinct prompt once).
+        self.stats = {"prefills": 0, "prefill_rows": 0, "prefill_s": 0.0, "decode_s": 0.0}
         self.coalesce_quiet_s = 0.002
         self.coalesce_max_s = 0.02
         self.weight_version = weight_version
@@ -389,23 +390,37 @@ class Batcher:
         with a finished sequence in the prefix cache (the previous turn of the same
         episode) brings that KV along and only its new suffix is computed. Columns:
         [past, left-padded to P | suffix, left-padded to S]; pad holes are masked out and
-        positions are explicit, so the result equals a fresh full prefill."""
+        positions are explicit, so the result equals a fresh full prefill.
+
+        Each distinct prompt is computed once: GRPO sends every prompt n times, and the
+        episodes of a group that made the same moves send the same next turn. Rows with
+        the same tokens and the same cached prefix have identical inputs (the cache is
+        looked up by tokens), so one forward row, expanded to all of them, is exact."""
         from transformers import DynamicCache
 
         pasts = [self.prefix_cache.pop_longest(r.input_ids) for r in reqs]
-        plen = [p[0] if p else 0 for p in pasts]
-        slen = [len(r.input_ids) - n for r, n in zip(reqs, plen)]
-        P, S, b = max(plen), max(slen), len(reqs)
+        plen_all = [p[0] if p else 0 for p in pasts]
+        slot: dict[tuple, int] = {}
+        inv = [slot.setdefault((n, tuple(r.input_ids)), len(slot))
+               for r, n in zip(reqs, plen_all)]
+        first: dict[int, int] = {}
+        for i, j in enumerate(inv):
+            first.setdefault(j, i)
+        uniq = list(first.values())  # row of each distinct prompt, in slot order
+        plen = [plen_all[i] for i in uniq]
+        slen = [len(reqs[i].input_ids) - plen_all[i] for i in uniq]
+        P, S, b = max(plen), max(slen), len(uniq)
         ids = torch.zeros(b, S, dtype=torch.long)
         mask = torch.zeros(b, P + S, dtype=torch.long)
         pos = torch.zeros(b, S, dtype=torch.long)
-        for i, r in enumerate(reqs):
-            p, n = plen[i], slen[i]
+        for u, i in enumerate(uniq):
+            p, n = plen[u], slen[u]
+            ids[u, S - n:] = torch.tensor(reqs[i].input_ids[p:], dtype=torch.long)
+            mask[u, P - p:P] = 1
+            mask[u, P + S - n:] = 1
+            pos[u, S - n:] = torch.arange(p, p + n)
+        for r, p in zip(reqs, plen_all):
             r.cached_tokens = p
-            ids[i, S - n:] = torch.tensor(r.input_ids[p:], dtype=torch.long)
-            mask[i, P - p:P] = 1
-            mask[i, P + S - n:] = 1
-            pos[i, S - n:] = torch.arange(p, p + n)
         cache = DynamicCache()
         if P > 0:
             layers = []
@@ -413,13 +428,18 @@ class Batcher:
             for li, (k0, v0) in enumerate(ref):
                 k = k0.new_zeros(b, k0.shape[0], P, k0.shape[2])
                 v = v0.new_zeros(b, v0.shape[0], P, v0.shape[2])
-                for i, past in enumerate(pasts):
-                    if past:
-                        k[i, :, P - plen[i]:] = past[1][li][0]
-                        v[i, :, P - plen[i]:] = past[1][li][1]
+                for u, i in enumerate(uniq):
+                    if pasts[i]:
+                        k[u, :, P - plen[u]:] = pasts[i][1][li][0]
+                        v[u, :, P - plen[u]:] = pasts[i][1][li][1]
                 layers.append(GrowingLayer(k, v, spare=S))
             cache.layers = layers
-        logits, cache = self._forward_dedup(reqs, ids, mask, pos, cache, P)
+        logits, cache = self._forward(ids, mask, pos, cache)
+        self.stats["prefill_rows"] += b
+        if b < len(reqs):
+            inv_t = torch.tensor(inv, dtype=torch.long)
+            logits, mask = logits.index_select(0, inv_t), mask.index_select(0, inv_t)
+            cache = self._select_cache(cache, inv_t)
         for r in reqs:
             if r.seed is not None:
                 r.generator = torch.Generator().manual_seed(int(r.seed))
@@ -430,27 +450,9 @@ class Batcher:
             return
         idx = torch.tensor(survivors, dtype=torch.long)
         reqs = [reqs[i] for i in survivors]
-        cache = self._select_cache(cache, idx) if len(survivors) < b else cache
+        cache = self._select_cache(cache, idx) if len(survivors) < len(inv) else cache
         mask, new_pos, tokens = mask[idx], new_pos[idx], tokens[idx]
         self._merge(reqs, cache, mask, new_pos, tokens)
-
-    def _forward_dedup(self, reqs, ids, mask, pos, cache, P: int):
-        """Prefill forward that computes each distinct prompt once. GRPO sends every prompt
-        n times (and a game's first turn is the same text for all episodes): without a
-        cached prefix (P == 0), rows with equal input_ids have equal ids/mask/pos, so one
-        forward row per distinct prompt, expanded to all its rows, is exact."""
-        if P == 0 and len(reqs) > 1:
-            slot: dict[tuple, int] = {}
-            inv = [slot.setdefault(tuple(r.input_ids), len(slot)) for r in reqs]
-            if len(slot) < len(reqs):
-                first = torch.tensor([inv.index(j) for j in range(len(slot))], dtype=torch.long)
-                inv_t = torch.tensor(inv, dtype=torch.long)
-                logits, cache = self._forward(ids[first], mask[first], pos[first], cache)
-                for layer in self._layers(cache):
-                    layer.keys = layer.keys.index_select(0, inv_t)
-                    layer.values = layer.values.index_select(0, inv_t)
-                return logits.index_select(0, inv_t), cache
-        return self._forward(ids, mask, pos, cache)
 
     def _decode(self) -> None:
         self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=torch.long)], 1)
