@@ -477,7 +477,7 @@ def write_report(args, results: dict, out: Path) -> str:
              f"{args.prompts * args.samples} episodes/step, {args.max_new_tokens} new tokens/turn, "
              f"{args.steps} steps, homegym {args.engines} engine(s) + {args.ranks} rank(s), "
              f"{args.threads} torch thread(s) per process", "",
-             "| task | system | s/step (median) | s/step, all repeats | episodes/s | gen tok/s "
+             "| task | system | s/step (median) | s/step, each repeat | episodes/s | gen tok/s "
              "| gen | train | sync | overhead | success first->last quarter | load (1m) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for task, per in results["tasks"].items():
@@ -505,8 +505,12 @@ def write_report(args, results: dict, out: Path) -> str:
         for system in ("homegym", "homegym_async"):
             if system in per and "trl" in per:
                 h, t = per[system]["summary"], per["trl"]["summary"]
+                paired = [a / b for a, b in zip(per[system].get("repeat_episodes_per_s", []),
+                                                per["trl"].get("repeat_episodes_per_s", []))]
                 lines.append(f"- {task}: {system}/TRL episodes/s = "
-                             f"{h['episodes_per_s'] / t['episodes_per_s']:.2f}x")
+                             f"{h['episodes_per_s'] / t['episodes_per_s']:.2f}x" + (
+                                 " (run by run: " + ", ".join(f"{x:.2f}x" for x in paired) + ")"
+                                 if len(paired) > 1 else ""))
         if "homegym" in per and "_limit" in per:
             lines.append(f"- {task}: homegym median step / limit = "
                          f"{per['homegym']['summary']['median_step_s'] / per['_limit']['step_time']:.1f}x")
@@ -615,9 +619,10 @@ def main() -> None:
                       f"episodes/s, success {s['success_first_quarter']} -> "
                       f"{s['success_last_quarter']}", flush=True)
         for system, rs in runs.items():  # report each system's median run
-            rs.sort(key=lambda r: r["summary"]["episodes_per_s"])
-            per[system] = rs[len(rs) // 2]
-            per[system]["repeat_step_s"] = [r["summary"]["median_step_s"] for r in rs]
+            median = sorted(rs, key=lambda r: r["summary"]["episodes_per_s"])[len(rs) // 2]
+            median["repeat_step_s"] = [r["summary"]["median_step_s"] for r in rs]
+            median["repeat_episodes_per_s"] = [r["summary"]["episodes_per_s"] for r in rs]
+            per[system] = median
         if not args.no_limit and "homegym" in per:
             per["_limit"] = run_limit(args, model_path, task, out, per["homegym"])
     results["load_end"] = loadavg()
