@@ -38,6 +38,30 @@ def test_plan_gives_every_rank_the_same_number_of_micro_batches():
         assert owned == list(range(4 * step, 4 * step + 4))  # each sample exactly once
 
 
+def test_keep_groups_deals_whole_groups_and_keeps_them_in_one_micro_batch():
+    batch = make_batch(num_groups=4, group_size=4, response_len=(5, 60), seed=3)
+    lengths = [len(t) for t in batch.tokens]
+    budget = 4 * max(lengths)  # a group always fits, two rarely
+    plans = [plan_step(batch, rank=r, world_size=2, global_batch_size=None,
+                       max_tokens=budget, keep_groups=True)[0] for r in range(2)]
+    assert len(plans[0]) == len(plans[1])
+    owned = sorted(i for plan in plans for mb in plan for i in mb)
+    assert owned == list(range(16))
+    for plan in plans:
+        for mb in plan:
+            groups = {batch.group_ids[i] for i in mb}
+            assert all(sum(g == h for h in batch.group_ids) == sum(
+                batch.group_ids[i] == g for i in mb) for g in groups), mb  # whole groups
+    # Plain length order interleaves the groups at this budget.
+    plain = plan_step(batch, rank=0, world_size=1, global_batch_size=None, max_tokens=budget)[0]
+    assert any(len({batch.group_ids[i] for i in mb}) > len(mb) // 4 for mb in plain)
+    # Fewer groups than ranks: samples are dealt instead, and every rank gets some.
+    one = make_batch(num_groups=1, group_size=4, seed=3)
+    shares = [plan_step(one, rank=r, world_size=2, global_batch_size=None, max_tokens=10_000,
+                        keep_groups=True)[0] for r in range(2)]
+    assert all(sum(map(len, s)) == 2 for s in shares)
+
+
 def test_minibatch_ranges_must_divide():
     assert minibatch_ranges(8, 4) == [range(0, 4), range(4, 8)]
     assert minibatch_ranges(8, None) == [range(0, 8)]

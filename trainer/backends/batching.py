@@ -12,6 +12,10 @@ same number of micro-batches):
    ``train.max_tokens_per_micro_batch`` (counting padding); ranks with fewer micro-batches
    get empty ones so the counts match.
 
+With shared-prefix training (``keep_groups``) steps 2 and 3 deal and pack whole groups
+(when there are at least as many groups as ranks), since only samples in one micro-batch
+share: dealt sample by sample, a group of 8 over 8 ranks would share nothing.
+
 The padded layout (``build_micro_batch``, used by Megatron and with
 ``train.share_prompts=false``) pads rather than packs several samples into one row with
 restarting position_ids: measured on 2 CPU cores with the tiny Qwen3 (64 samples of
@@ -95,36 +99,58 @@ def balanced_partition(indices: Sequence[int], costs: Sequence[int],
     return [sorted(p) for p in parts]
 
 
-def micro_batches(indices: Sequence[int], lengths: Sequence[int],
-                  max_tokens: int) -> list[list[int]]:
+def micro_batches(indices: Sequence[int], lengths: Sequence[int], max_tokens: int,
+                  group_ids: Optional[Sequence[int]] = None) -> list[list[int]]:
     """Length-sorted micro-batches whose padded size (rows x longest) fits ``max_tokens``.
 
-    A sample longer than the budget gets a micro-batch of its own.
+    A sample longer than the budget gets a micro-batch of its own. With ``group_ids``,
+    samples are ordered group by group (groups by their longest sample), so a group lands
+    in one micro-batch unless the budget cuts it: what shared-prefix training shares is
+    within a micro-batch.
     """
+    order = sorted(indices, key=lambda i: (lengths[i], i))
+    if group_ids is not None:
+        longest: dict[int, tuple] = {}
+        for i in order:  # ascending, so the last write is the group's longest sample
+            longest[group_ids[i]] = (lengths[i], i)
+        order.sort(key=lambda i: longest[group_ids[i]])  # stable: by length within a group
     out: list[list[int]] = []
     current: list[int] = []
-    for i in sorted(indices, key=lambda i: (lengths[i], i)):
-        if current and (len(current) + 1) * lengths[i] > max_tokens:
+    width = 0
+    for i in order:
+        if current and (len(current) + 1) * max(width, lengths[i]) > max_tokens:
             out.append(current)
-            current = []
+            current, width = [], 0
         current.append(i)
+        width = max(width, lengths[i])
     if current:
         out.append(current)
     return out
 
 
 def plan_step(batch: BatchLike, *, rank: int, world_size: int, global_batch_size: int | None,
-              max_tokens: int) -> list[list[list[int]]]:
+              max_tokens: int, keep_groups: bool = False) -> list[list[list[int]]]:
     """This rank's micro-batches (lists of sample indices) for each optimizer step.
 
     Every rank returns the same number of micro-batches per step (padding with empty
-    ones), because FSDP/Megatron collectives must be entered by all ranks.
+    ones), because FSDP/Megatron collectives must be entered by all ranks. With
+    ``keep_groups`` (shared-prefix training) whole groups are dealt to ranks and kept
+    together in micro-batches, as long as there are at least as many groups as ranks.
     """
     lengths = [len(t) for t in batch.tokens]
     plan = []
     for mb in minibatch_ranges(len(lengths), global_batch_size):
-        shards = balanced_partition(list(mb), lengths, world_size)
-        per_rank = [micro_batches(s, lengths, max_tokens) for s in shards]
+        units: dict[int, list[int]] = {}
+        for i in mb:
+            units.setdefault(batch.group_ids[i] if keep_groups else i, []).append(i)
+        if len(units) < world_size:  # too few groups to deal whole: deal samples
+            units = {i: [i] for i in mb}
+        groups = list(units.values())
+        cost = [sum(lengths[i] for i in g) for g in groups]
+        shards = [sorted(i for k in part for i in groups[k])
+                  for part in balanced_partition(range(len(groups)), cost, world_size)]
+        per_rank = [micro_batches(s, lengths, max_tokens,
+                                  batch.group_ids if keep_groups else None) for s in shards]
         count = max(max(len(m) for m in per_rank), 1)
         mine = per_rank[rank]
         plan.append(mine + [[] for _ in range(count - len(mine))])

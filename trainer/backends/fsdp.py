@@ -159,7 +159,8 @@ class FSDPBackend:
         check_batch(batch)
         plan = plan_step(batch, rank=self.rank, world_size=self.world_size,
                          global_batch_size=None,
-                         max_tokens=self.config.train.max_tokens_per_micro_batch)[0]
+                         max_tokens=self.config.train.max_tokens_per_micro_batch,
+                         keep_groups=self.share_prompts)[0]
         mbs = [self._micro_batch(batch, ids) for ids in plan]
         self.model.eval()
         return per_sample_log_probs(mbs, self._no_grad_log_probs(self.model, mbs),
@@ -206,7 +207,8 @@ class FSDPBackend:
         ranges = minibatch_ranges(len(batch.tokens), train.global_batch_size)
         plan = plan_step(batch, rank=self.rank, world_size=self.world_size,
                          global_batch_size=train.global_batch_size,
-                         max_tokens=train.max_tokens_per_micro_batch)
+                         max_tokens=train.max_tokens_per_micro_batch,
+                         keep_groups=self.share_prompts)
         mbs = [[self._micro_batch(batch, ids) for ids in step] for step in plan]
         flat_mbs = [mb for step in mbs for mb in step]
 
@@ -262,7 +264,8 @@ class FSDPBackend:
         check_batch(batch)
         plan = plan_step(batch, rank=self.rank, world_size=self.world_size,
                          global_batch_size=None,
-                         max_tokens=self.config.train.max_tokens_per_micro_batch)[0]
+                         max_tokens=self.config.train.max_tokens_per_micro_batch,
+                         keep_groups=self.share_prompts)[0]
         norms = step_norms(batch, range(len(batch.tokens)))
         self._set_lr(self.config.warmup.lr)
         self.model.train()
