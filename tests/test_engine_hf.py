@@ -412,3 +412,14 @@ def test_same_next_turn_over_cached_prefix_is_computed_once(ref_model):
         assert r.cached_tokens == len(p) + 3 - 1
         want = fresh_logprobs(ref_model, q, r.output_ids, 0.9)
         assert torch.allclose(torch.tensor(r.logprobs), want, atol=1e-4)
+    # Same prompt, one copy done at prefill (one token) and one decoding on: the survivor
+    # keeps the shared row's cache.
+    q = prompts(1, lo=12, hi=13, seed=6)[0]
+    done, going = (Request(rid=str(n), input_ids=q, max_new_tokens=n, temperature=0.9,
+                           ignore_eos=True, return_logprob=True) for n in (1, 5))
+    b._prefill([done, going])
+    while b.rows:
+        b._decode()
+    assert len(done.output_ids) == 1 and len(going.output_ids) == 5
+    want = fresh_logprobs(ref_model, q, going.output_ids, 0.9)
+    assert torch.allclose(torch.tensor(going.logprobs), want, atol=1e-4)

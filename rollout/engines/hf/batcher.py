@@ -436,10 +436,9 @@ class Batcher:
             cache.layers = layers
         logits, cache = self._forward(ids, mask, pos, cache)
         self.stats["prefill_rows"] += b
+        inv_t = torch.tensor(inv, dtype=torch.long)  # request -> forward row
         if b < len(reqs):
-            inv_t = torch.tensor(inv, dtype=torch.long)
-            logits, mask = logits.index_select(0, inv_t), mask.index_select(0, inv_t)
-            cache = self._select_cache(cache, inv_t)
+            logits = logits.index_select(0, inv_t)
         for r in reqs:
             if r.seed is not None:
                 r.generator = torch.Generator().manual_seed(int(r.seed))
@@ -450,8 +449,10 @@ class Batcher:
             return
         idx = torch.tensor(survivors, dtype=torch.long)
         reqs = [reqs[i] for i in survivors]
-        cache = self._select_cache(cache, idx) if len(survivors) < len(inv) else cache
-        mask, new_pos, tokens = mask[idx], new_pos[idx], tokens[idx]
+        rows = inv_t[idx]  # the forward row of each surviving request: one cache copy
+        if b < len(inv) or len(survivors) < b:
+            cache = self._select_cache(cache, rows)
+        mask, new_pos, tokens = mask[rows], new_pos[idx], tokens[idx]
         self._merge(reqs, cache, mask, new_pos, tokens)
 
     def _decode(self) -> None:
