@@ -7,7 +7,9 @@ Workload: prompts of mixed lengths, each generating exactly --new-tokens tokens
 (ignore_eos), sampled at temperature 1. Reports tokens/s for
 - the engine: all prompts sent at once through sglang-router (continuous batching);
 - transformers' model.generate(): the same prompts, left-padded, in batches of
-  --hf-batch-size, one thread (what a user would naturally write);
+  --hf-batch-size, one thread, the model loaded with from_pretrained's defaults (SDPA
+  attention): what a user would naturally write. --hf-attn eager gives the slower eager
+  attention that figures before 2026-11-29 were measured against;
 - the raw forward-pass bound: the same prefill and decode work as bare forward passes in
   one process with the engine's kernels and a static schedule (no scheduler, no HTTP),
   i.e. what a perfect server with zero overhead could reach.
@@ -192,6 +194,8 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=160)
     ap.add_argument("--engines", type=int, default=1)
     ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--hf-attn", default=None,
+                    help="attn_implementation for generate() (default: transformers' own, SDPA)")
     ap.add_argument("--multiturn-turns", type=int, default=8,
                     help="also run the RL loop's multi-turn shape (0 = skip)")
     ap.add_argument("--episodes", type=int, default=64)
@@ -206,7 +210,8 @@ def main() -> None:
 
     path = resolve_model_path(args.model)
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    hf_kwargs = {"attn_implementation": args.hf_attn} if args.hf_attn else {}
+    model = AutoModelForCausalLM.from_pretrained(path, **hf_kwargs).eval()
     fast_model = AutoModelForCausalLM.from_pretrained(
         path, attn_implementation=fast_kernels.register()).eval()
     prompts = make_prompts(args.prompts, model.config.vocab_size, args.min_len, args.max_len)
@@ -245,8 +250,8 @@ def main() -> None:
     h_dt, h_tokens = min(run_hf_generate(model, prompts, args.new_tokens, args.hf_batch_size, pad)
                          for _ in range(args.repeat))
     h_tps = h_tokens / h_dt
-    print(f"model.generate() batch {args.hf_batch_size}: {h_tokens} tokens in {h_dt:.2f}s = "
-          f"{h_tps:,.0f} tok/s")
+    print(f"model.generate() batch {args.hf_batch_size}, {model.config._attn_implementation} "
+          f"attention: {h_tokens} tokens in {h_dt:.2f}s = {h_tps:,.0f} tok/s")
     bound_dt, schedules = forward_bound(fast_model, prompts, args.new_tokens, pad, args.repeat)
     b_tps = h_tokens / bound_dt
     print("raw forward bound (same prefill + decode work, one process, engine kernels): "

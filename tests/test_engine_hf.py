@@ -423,3 +423,34 @@ def test_same_next_turn_over_cached_prefix_is_computed_once(ref_model):
     assert len(done.output_ids) == 1 and len(going.output_ids) == 5
     want = fresh_logprobs(ref_model, q, going.output_ids, 0.9)
     assert torch.allclose(torch.tensor(going.logprobs), want, atol=1e-4)
+
+
+@torch.no_grad()
+def test_fast_attention_equals_eager_on_padded_prefill_and_decode(tiny_model_path, ref_model):
+    """The engine's attention (SDPA for prefill, folded GQA for decode) against transformers'
+    eager attention, on the layout the engine feeds it: left padding, a hole between a
+    cached past and the new suffix, explicit positions, then decode steps over the cache."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from rollout.engines.hf import fast_kernels
+
+    fast = AutoModelForCausalLM.from_pretrained(
+        tiny_model_path, attn_implementation=fast_kernels.register()).eval()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, 400, (3, 40), generator=g)
+    mask = torch.ones(3, 40, dtype=torch.long)
+    mask[0, :25] = 0  # short prompt, left-padded
+    mask[1, 10:18] = 0  # past | hole | suffix
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    caches = (DynamicCache(), DynamicCache())
+    outs = [m(input_ids=ids, attention_mask=mask, position_ids=pos, cache=c).logits
+            for m, c in zip((ref_model, fast), caches)]
+    real = mask.bool()
+    assert torch.allclose(outs[0][real], outs[1][real], atol=1e-5)
+    for _ in range(3):
+        nxt = outs[0][:, -1:].argmax(-1)
+        mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+        pos = pos[:, -1:] + 1
+        outs = [m(input_ids=nxt, attention_mask=mask, position_ids=pos, cache=c).logits
+                for m, c in zip((ref_model, fast), caches)]
+        assert torch.allclose(outs[0], outs[1], atol=1e-5)

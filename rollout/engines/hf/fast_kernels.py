@@ -1,9 +1,15 @@
-"""Two decode-time savings for small models on CPU, both exact (same math as eager):
+"""Savings for small models on CPU, all exact (eager's math, up to float rounding):
 
-- ``homegym_gqa`` attention: eager attention without ``repeat_kv``. Eager attention
-  copies every layer's whole K/V cache G times per decode step to expand grouped KV
-  heads; here the G query heads that share a KV head are folded into the query-length
+- ``homegym_gqa`` attention, decode: eager attention without ``repeat_kv``. Eager
+  attention copies every layer's whole K/V cache G times per decode step to expand grouped
+  KV heads; here the G query heads that share a KV head are folded into the query-length
   axis, so K/V are read in place. Profiled: the repeat_kv copies were ~40% of decode time.
+  For one query per row this beats SDPA (0.26 vs 0.31 ms per layer, tiny-qwen3, batch 64
+  x 130 cached tokens).
+- ``homegym_gqa`` attention, prefill: SDPA with the same additive mask. Its blocked kernel
+  never materializes the scores and is 2.5-3x faster than eager on prefill chunks
+  (batch 16 x 160 tokens: 3.9 vs 12.7 ms per layer for tiny-qwen3, 14.5 vs 36 ms for
+  SmolLM2-135M).
 - ``GrowingLayer``: a KV cache layer with spare capacity, written in place, instead of
   DynamicLayer's ``torch.cat`` (which copies the whole cache at every step).
 """
@@ -23,6 +29,11 @@ def gqa_attention_forward(module, query, key, value, attention_mask, scaling=Non
     g = h // hkv
     if scaling is None:
         scaling = d ** -0.5
+    if q > 1:  # prefill: SDPA's blocked kernel, 2.5-3x eager's materialized scores on CPU
+        mask = None if attention_mask is None else attention_mask[:, :, :, :t]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
     # Query head i uses KV head i // g (repeat_kv's layout): [b, hkv, g*q, d].
     qg = query.reshape(b, hkv, g * q, d)
     scores = torch.matmul(qg, key.transpose(2, 3)) * scaling
