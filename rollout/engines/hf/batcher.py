@@ -3,12 +3,12 @@
 One scheduler thread owns the model. Between decode steps it
 1. runs queued control commands (weight updates, flush, release/resume) — so a weight
    update never lands in the middle of a forward pass;
-2. admits waiting requests: one batched, left-padded prefill for all of them, whose
-   DynamicCache is then merged into the running batch's cache (both left-padded to the
-   same length and concatenated on the batch dimension);
+2. admits waiting requests: batched, left-padded prefills of similar-length requests,
+   whose KV is then written into free row slots of the running batch's cache
+   (``BatchKV``), right-aligned with the running rows;
 3. decodes every active row together, one token per step;
-4. drops finished rows (index_select on the cache) and trims cache columns that are
-   padding in every remaining row, so a long finished prompt stops costing attention.
+4. drops finished rows (the last rows move into their slots) and trims cache columns that
+   are padding in every remaining row, so a long finished prompt stops costing attention.
 
 Positions are explicit per row (count of real tokens), so left padding and merging never
 shift RoPE; pad columns are masked out, so a row's log-probs equal a fresh forward pass
@@ -19,7 +19,8 @@ ContinuousBatchingManager, paged attention): it does run on CPU (transformers 5.
 attn "paged|eager") and carries log-probs, but measured on the bench workload (tiny model,
 64 mixed-length prompts x 32 tokens, 1 thread) it took 34 s against ~0.7 s here: its
 scheduling and paged-cache bookkeeping are built for GPUs and dominate on small CPU
-models. A DynamicCache batch is simple, exact, and fast for ~1M-135M-parameter models.
+models. One padded batch of rows is simple, exact, and fast for ~1M-135M-parameter
+models.
 
 Log-probs (matching SGLang's default, see sglang/srt/layers/sampler.py): the log-prob of
 the sampled token under the temperature-scaled distribution, log_softmax(logits / T),
@@ -39,6 +40,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from rollout.engines.hf.batch_kv import BatchKV
 from rollout.engines.hf.fast_kernels import GrowingLayer
 from trainer.models import cache_kwarg
 
@@ -192,7 +194,7 @@ class Batcher:
         self._pending: list[Request] = []  # admitted from `waiting` but not yet prefilled
         # Running batch state.
         self.rows: list[Request] = []
-        self.cache = None
+        self.kv = BatchKV()  # the running rows' KV (self.kv.cache: views for forward())
         self.mask: Optional[torch.Tensor] = None  # [B, T] 1 = real token
         self.pos: Optional[torch.Tensor] = None  # [B] position of the next input token
         self.last: Optional[torch.Tensor] = None  # [B] last sampled token (not yet fed)
@@ -324,7 +326,8 @@ class Batcher:
         for r in self.rows + self._pending:
             self._finish(r, {"type": "abort", "message": msg})
         self.rows, self._pending = [], []
-        self.cache = self.mask = self.pos = self.last = None
+        self.kv = BatchKV()
+        self.mask = self.pos = self.last = None
 
     def note_weight_update(self, version: Optional[str]) -> None:
         """Called on the scheduler thread after a bucket is applied. ``version`` None: a
@@ -346,7 +349,8 @@ class Batcher:
         for r in self.rows + self._pending:
             self._finish(r, {"type": "abort", "message": reason})
         self.rows, self._pending = [], []
-        self.cache = self.mask = self.pos = self.last = None
+        self.kv = BatchKV()
+        self.mask = self.pos = self.last = None
 
     def _finish(self, r: Request, reason: dict) -> None:
         r.finish_reason = reason
@@ -450,15 +454,15 @@ class Batcher:
         idx = torch.tensor(survivors, dtype=torch.long)
         reqs = [reqs[i] for i in survivors]
         rows = inv_t[idx]  # the forward row of each surviving request: one cache copy
-        if b < len(inv) or len(survivors) < b:
-            cache = self._select_cache(cache, rows)
         mask, new_pos, tokens = mask[rows], new_pos[idx], tokens[idx]
-        self._merge(reqs, cache, mask, new_pos, tokens)
+        self._merge(reqs, cache, mask, new_pos, tokens,
+                    rows if b < len(inv) or len(survivors) < b else None)
 
     def _decode(self) -> None:
         self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=torch.long)], 1)
-        logits, self.cache = self._forward(self.last[:, None], self.mask, self.pos[:, None],
-                                           self.cache)
+        self.kv.reserve_step()
+        logits, _ = self._forward(self.last[:, None], self.mask, self.pos[:, None], self.kv.cache)
+        self.kv.stepped()
         self.pos = self.pos + 1
         tokens, logps = self._sample(logits, self.rows)
         self.last = tokens
@@ -482,7 +486,7 @@ class Batcher:
         if len(real) != len(tokens):
             return
         kv = [(layer.keys[i].index_select(1, real), layer.values[i].index_select(1, real))
-              for layer in self._layers(self.cache)]
+              for layer in self.kv.cache.layers]
         self.prefix_cache.put(tokens, kv)
 
     def _append_tokens(self, reqs, tokens, logps) -> list[int]:
@@ -575,65 +579,35 @@ class Batcher:
         return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
 
     # ---- batch bookkeeping ----
-    @staticmethod
-    def _layers(cache):
-        return cache.layers
-
-    def _select_cache(self, cache, idx: torch.Tensor):
-        for i, layer in enumerate(self._layers(cache)):
-            if isinstance(layer, GrowingLayer):
-                cache.layers[i] = layer.select_rows(idx)
-            else:
-                cache.layers[i] = GrowingLayer(layer.keys.index_select(0, idx),
-                                               layer.values.index_select(0, idx))
-        return cache
-
     def _keep_rows(self, keep: list[int]) -> None:
         if not keep:
-            self.rows, self.cache, self.mask, self.pos, self.last = [], None, None, None, None
+            self.rows, self.mask, self.pos, self.last = [], None, None, None
+            self.kv.keep([])
             return
-        idx = torch.tensor(keep, dtype=torch.long)
-        self.rows = [self.rows[i] for i in keep]
-        self._select_cache(self.cache, idx)
+        idx = torch.tensor(self.kv.keep(keep), dtype=torch.long)
+        self.rows = [self.rows[i] for i in idx.tolist()]
         self.mask, self.pos, self.last = self.mask[idx], self.pos[idx], self.last[idx]
-        # Trim columns that are padding in every remaining row (left side only).
+        # Drop columns that are padding in every remaining row (left side only).
         real = self.mask.any(0).nonzero()
         first = int(real[0]) if len(real) else 0
         if first > 0:
             self.mask = self.mask[:, first:]
-            for layer in self._layers(self.cache):
-                layer.trim_left(first)
+            self.kv.trim_left(first)
 
-    def _merge(self, reqs, cache, mask, pos, last) -> None:
+    def _merge(self, reqs, cache, mask, pos, last, rows: Optional[torch.Tensor] = None) -> None:
+        """Add prefilled requests to the running batch: their KV (``cache``, or its rows
+        ``rows``) goes into free slots, right-aligned with the running rows."""
+        t_old = self.kv.width if self.rows else 0
+        self.kv.add(cache.layers, rows)
+        width = self.kv.width
+
+        def lpad(m, n):
+            return torch.nn.functional.pad(m, (n, 0)) if n else m
+
         if not self.rows:
-            for i, layer in enumerate(self._layers(cache)):
-                if not isinstance(layer, GrowingLayer):
-                    cache.layers[i] = GrowingLayer(layer.keys, layer.values)
-            self.rows, self.cache, self.mask, self.pos, self.last = list(reqs), cache, mask, pos, last
+            self.rows, self.mask, self.pos, self.last = list(reqs), lpad(mask, width - mask.shape[1]), pos, last
             return
-        t_old, t_new = self.mask.shape[1], mask.shape[1]
-        width = max(t_old, t_new)
-
-        def lpad(x, n, dim):
-            if n == 0:
-                return x
-            shape = list(x.shape)
-            shape[dim] = n
-            return torch.cat([x.new_zeros(shape), x], dim)
-
-        b_old, b_new = self.mask.shape[0], mask.shape[0]
-        for i, (lo, ln) in enumerate(zip(self._layers(self.cache), self._layers(cache))):
-            # One allocation, one copy per part. Pad columns must be finite (zeros): they are
-            # masked, but NaN * 0 from uninitialized memory would still poison the scores.
-            h, d = lo.keys.shape[1], lo.keys.shape[3]
-            kbuf = lo.keys.new_zeros(b_old + b_new, h, width + 64, d)
-            vbuf = lo.values.new_zeros(b_old + b_new, h, width + 64, d)
-            kbuf[:b_old, :, width - t_old:width] = lo.keys
-            vbuf[:b_old, :, width - t_old:width] = lo.values
-            kbuf[b_old:, :, width - t_new:width] = ln.keys
-            vbuf[b_old:, :, width - t_new:width] = ln.values
-            self.cache.layers[i] = GrowingLayer.from_buffers(kbuf, vbuf, width)
-        self.mask = torch.cat([lpad(self.mask, width - t_old, 1), lpad(mask, width - t_new, 1)], 0)
+        self.mask = torch.cat([lpad(self.mask, width - t_old), lpad(mask, width - mask.shape[1])])
         self.pos = torch.cat([self.pos, pos])
         self.last = torch.cat([self.last, last])
         self.rows.extend(reqs)

@@ -83,11 +83,6 @@ class GrowingLayer(DynamicLayer):
         layer.dtype, layer.device = kbuf.dtype, kbuf.device
         return layer
 
-    def select_rows(self, idx: torch.Tensor) -> "GrowingLayer":
-        """Rows ``idx`` in one copy (spare capacity included)."""
-        return GrowingLayer.from_buffers(self._kbuf.index_select(0, idx),
-                                         self._vbuf.index_select(0, idx), self._len)
-
     def update(self, key_states, value_states, *args, **kwargs):
         n = key_states.shape[-2]
         if self._len + n > self._kbuf.shape[2]:  # grow geometrically: amortized O(1) copies
@@ -97,9 +92,3 @@ class GrowingLayer(DynamicLayer):
         self._len += n
         self.keys, self.values = self._kbuf[:, :, :self._len], self._vbuf[:, :, :self._len]
         return self.keys, self.values
-
-    def trim_left(self, first: int) -> None:
-        """Drop the first ``first`` columns without copying (a view further in)."""
-        self._kbuf, self._vbuf = self._kbuf[:, :, first:], self._vbuf[:, :, first:]
-        self._len -= first
-        self.keys, self.values = self._kbuf[:, :, :self._len], self._vbuf[:, :, :self._len]
