@@ -11,7 +11,9 @@ all rows at once. Changes that used to copy the whole batch now move only what c
 - columns that are padding in every row are dropped by moving ``c0``.
 
 The buffers are reallocated (one copy of the window) only when rows, left room or right
-room run out, with spare so that this is amortized. In bench_engine's multi-turn shape the
+room run out, with spare so that this is amortized (a decode step reallocates once per
+``spare_cols`` steps), and sized to the batch of the moment, about what one padded batch
+tensor would take. In bench_engine's multi-turn shape the
 full-batch copies on every join and every finish were a third of the scheduler's busy
 time. Buffers start zeroed and are only ever written with real K/V, so the columns a row
 masks out hold finite numbers (0 * NaN would poison attention scores).
@@ -48,11 +50,12 @@ class BatchKV:
         cap_cols = self.k[0].shape[2] if self.k else 0
         if rows <= cap_rows and width <= self.c1 and self.c1 + right <= cap_cols:
             return
+        # Sized from what is needed now (plus spare), not from the old capacity: a batch
+        # that shrank gives memory back at its next reallocation.
         old_k, old_v, w = self.k, self.v, self.width
-        left = max(width, w) + self.spare_cols  # room for longer rows joining later
-        c1 = left
-        cols = c1 + max(right, self.spare_cols, w)
-        n = max(rows, cap_rows) + self.spare_rows
+        c1 = max(width, w) + self.spare_cols  # left room for longer rows joining later
+        cols = c1 + max(right, self.spare_cols)
+        n = rows + self.spare_rows
         self.k = [x.new_zeros(n, x.shape[1], cols, x.shape[3]) for x in like[0::2]]
         self.v = [x.new_zeros(n, x.shape[1], cols, x.shape[3]) for x in like[1::2]]
         if self.rows and w:
@@ -98,8 +101,8 @@ class BatchKV:
                 window = buf[:, :, self.c0:self.c1]
                 window.index_copy_(0, dst, window.index_select(0, src))
         self.rows = n
-        if n == 0:
-            self.c0 = self.c1
+        if n == 0:  # an idle engine holds no KV
+            self.k, self.v, self.c0, self.c1 = [], [], 0, 0
         self._views()
         return order
 
