@@ -108,3 +108,18 @@ def test_rows_leaving_move_only_the_last_rows():
     assert order == [0, n - 1] + list(range(2, n - 1))
     ref.kv = [ref.kv[i] for i in order]
     ref.check(kv)
+
+
+def test_long_decode_reallocates_geometrically_rarely():
+    kv, ref = BatchKV(), Rows()
+    join(kv, ref, random.Random(2))
+    buffers, reallocations = kv.k[0], 0
+    for _ in range(2000):
+        kv.reserve_step()
+        for layer in kv.cache.layers:
+            layer.update(torch.zeros(kv.rows, HEADS, 1, DIM), torch.zeros(kv.rows, HEADS, 1, DIM))
+        kv.stepped()
+        if kv.k[0] is not buffers:
+            buffers, reallocations = kv.k[0], reallocations + 1
+    assert kv.width >= 2000
+    assert reallocations <= 12  # ~log1.5(2000 / 64); a fixed 64-column step would be 31

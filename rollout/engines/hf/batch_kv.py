@@ -11,9 +11,8 @@ all rows at once. Changes that used to copy the whole batch now move only what c
 - columns that are padding in every row are dropped by moving ``c0``.
 
 The buffers are reallocated (one copy of the window) only when rows, left room or right
-room run out, with spare so that this is amortized (a decode step reallocates once per
-``spare_cols`` steps), and sized to the batch of the moment, about what one padded batch
-tensor would take. In bench_engine's multi-turn shape the
+room run out, with spare so that this is amortized (right room grows by half the window,
+so decoding reallocates geometrically rarely), and sized to the batch of the moment. In bench_engine's multi-turn shape the
 full-batch copies on every join and every finish were a third of the scheduler's busy
 time. Buffers start zeroed and are only ever written with real K/V, so the columns a row
 masks out hold finite numbers (0 * NaN would poison attention scores).
@@ -54,7 +53,8 @@ class BatchKV:
         # that shrank gives memory back at its next reallocation.
         old_k, old_v, w = self.k, self.v, self.width
         c1 = max(width, w) + self.spare_cols  # left room for longer rows joining later
-        cols = c1 + max(right, self.spare_cols)
+        # Right room grows with the window: a long generation reallocates O(log) times.
+        cols = c1 + max(right, self.spare_cols, w // 2)
         n = rows + self.spare_rows
         self.k = [x.new_zeros(n, x.shape[1], cols, x.shape[3]) for x in like[0::2]]
         self.v = [x.new_zeros(n, x.shape[1], cols, x.shape[3]) for x in like[1::2]]
