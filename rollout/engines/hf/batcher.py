@@ -429,14 +429,14 @@ class Batcher:
         if P > 0:
             layers = []
             ref = next(p for p in pasts if p)[1]
-            for li, (k0, v0) in enumerate(ref):
-                k = k0.new_zeros(b, k0.shape[0], P, k0.shape[2])
-                v = v0.new_zeros(b, v0.shape[0], P, v0.shape[2])
+            for li, (k0, v0) in enumerate(ref):  # room for the suffix: no copy to grow
+                k = k0.new_zeros(b, k0.shape[0], P + S, k0.shape[2])
+                v = v0.new_zeros(b, v0.shape[0], P + S, v0.shape[2])
                 for u, i in enumerate(uniq):
                     if pasts[i]:
-                        k[u, :, P - plen[u]:] = pasts[i][1][li][0]
-                        v[u, :, P - plen[u]:] = pasts[i][1][li][1]
-                layers.append(GrowingLayer(k, v, spare=S))
+                        k[u, :, P - plen[u]:P] = pasts[i][1][li][0]
+                        v[u, :, P - plen[u]:P] = pasts[i][1][li][1]
+                layers.append(GrowingLayer.from_buffers(k, v, P))
             cache.layers = layers
         logits, cache = self._forward(ids, mask, pos, cache)
         self.stats["prefill_rows"] += b
