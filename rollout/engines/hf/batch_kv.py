@@ -11,9 +11,9 @@ all rows at once. Changes that used to copy the whole batch now move only what c
 - columns that are padding in every row are dropped by moving ``c0``.
 
 The buffers are reallocated (one copy of the window) only when rows, left room or right
-room run out, with spare so that this is amortized (right room grows by half the window,
-so decoding reallocates geometrically rarely), and sized to the batch of the moment. In bench_engine's multi-turn shape the
-full-batch copies on every join and every finish were a third of the scheduler's busy
+room run out, sized to the batch of the moment plus spare; the right room grows with the
+window, so a long generation reallocates O(log) times. In bench_engine's multi-turn shape
+the full-batch copies on every join and every finish were a third of the scheduler's busy
 time. Buffers start zeroed and are only ever written with real K/V, so the columns a row
 masks out hold finite numbers (0 * NaN would poison attention scores).
 """
@@ -115,7 +115,8 @@ class BatchKV:
         """Room for one decode step (call before the forward)."""
         cap_cols = self.k[0].shape[2]
         if self.c1 + 1 > cap_cols:
-            self._reserve(self.rows, 0, self.spare_cols, [x for p in zip(self.k, self.v) for x in p])
+            like = [x for pair in zip(self.k, self.v) for x in pair]
+            self._reserve(self.rows, 0, self.spare_cols, like)
             self._views()
 
     def stepped(self) -> None:

@@ -605,7 +605,8 @@ class Batcher:
             return torch.nn.functional.pad(m, (n, 0)) if n else m
 
         if not self.rows:
-            self.rows, self.mask, self.pos, self.last = list(reqs), lpad(mask, width - mask.shape[1]), pos, last
+            self.rows, self.pos, self.last = list(reqs), pos, last
+            self.mask = lpad(mask, width - mask.shape[1])
             return
         self.mask = torch.cat([lpad(self.mask, width - t_old), lpad(mask, width - mask.shape[1])])
         self.pos = torch.cat([self.pos, pos])
