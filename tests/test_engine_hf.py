@@ -425,6 +425,17 @@ def test_same_next_turn_over_cached_prefix_is_computed_once(ref_model):
     assert torch.allclose(torch.tensor(going.logprobs), want, atol=1e-4)
 
 
+def engine_layout(vocab: int):
+    """A prefill as the engine lays it out: a short prompt left-padded, a row with a hole
+    between its cached past and its new suffix, explicit positions."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, vocab, (3, 40), generator=g)
+    mask = torch.ones(3, 40, dtype=torch.long)
+    mask[0, :25] = 0
+    mask[1, 10:18] = 0
+    return ids, mask, (mask.cumsum(1) - 1).clamp(min=0)
+
+
 @torch.no_grad()
 def test_fast_attention_equals_eager_on_padded_prefill_and_decode(tiny_model_path, ref_model):
     """The engine's attention (SDPA for prefill, folded GQA for decode) against transformers'
@@ -436,12 +447,7 @@ def test_fast_attention_equals_eager_on_padded_prefill_and_decode(tiny_model_pat
 
     fast = AutoModelForCausalLM.from_pretrained(
         tiny_model_path, attn_implementation=fast_kernels.register()).eval()
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(5, 400, (3, 40), generator=g)
-    mask = torch.ones(3, 40, dtype=torch.long)
-    mask[0, :25] = 0  # short prompt, left-padded
-    mask[1, 10:18] = 0  # past | hole | suffix
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    ids, mask, pos = engine_layout(400)
     caches = (DynamicCache(), DynamicCache())
     outs = [m(input_ids=ids, attention_mask=mask, position_ids=pos, cache=c).logits
             for m, c in zip((ref_model, fast), caches)]
@@ -454,3 +460,52 @@ def test_fast_attention_equals_eager_on_padded_prefill_and_decode(tiny_model_pat
         outs = [m(input_ids=nxt, attention_mask=mask, position_ids=pos, cache=c).logits
                 for m, c in zip((ref_model, fast), caches)]
         assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+def small_model(arch: str, tiny_model_path: str):
+    """A random small model of each architecture the engine's lean forward takes."""
+    from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    from rollout.engines.hf import fast_kernels
+
+    attn = fast_kernels.register()
+    if arch == "qwen3":
+        return AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation=attn)
+    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    if arch == "llama":  # SmolLM2's family: tied embeddings, no biases
+        model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True,
+                                             rope_theta=100000.0))
+    else:  # Qwen2: biases on q/k/v (initialised to zero: make them count)
+        model = Qwen2ForCausalLM(Qwen2Config(**shape))
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                torch.nn.init.normal_(p, std=0.5)
+    model.config._attn_implementation = attn
+    return model
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+@torch.no_grad()
+def test_lean_forward_equals_transformers_forward(arch, tiny_model_path):
+    """The engine's own forward pass (rollout/engines/hf/lean.py) gives what transformers'
+    does with the same attention, on the engine's layouts: prefill, then decode steps."""
+    from transformers import DynamicCache
+
+    from rollout.engines.hf import lean
+
+    model = small_model(arch, tiny_model_path).eval()
+    assert lean.supports(model)
+    fwd = lean.LeanForward(model)
+    ids, mask, pos = engine_layout(min(300, model.config.vocab_size))
+    caches = (DynamicCache(), DynamicCache())
+    for _ in range(4):
+        want = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=caches[0],
+                     logits_to_keep=1).logits[:, -1]
+        got = fwd(ids, mask, pos, caches[1])
+        assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+        ids = want.argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+        pos = pos[:, -1:] + 1

@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from rollout.engines.hf import fast_kernels, lean
 from rollout.engines.hf.batch_kv import BatchKV
 from rollout.engines.hf.fast_kernels import GrowingLayer
 from trainer.models import cache_kwarg
@@ -202,6 +203,10 @@ class Batcher:
         self.default_gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
         self.steps = 0
         self._cache_kw = cache_kwarg(model)
+        # transformers' forward without its module stack, where the engine's attention and
+        # a Llama-family architecture allow (rollout/engines/hf/lean.py; same results).
+        self._lean = (lean.LeanForward(model) if lean.supports(model) and getattr(
+            model.config, "_attn_implementation", None) == fast_kernels.ATTN_NAME else None)
         self.thread = threading.Thread(target=self._loop, name="hf-batcher", daemon=True)
 
     # ---- API used by the HTTP layer (any thread) ----
@@ -360,6 +365,8 @@ class Batcher:
 
     # ---- model steps ----
     def _forward(self, input_ids, attention_mask, position_ids, cache):
+        if self._lean is not None:
+            return self._lean(input_ids, attention_mask, position_ids, cache), cache
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, use_cache=True, logits_to_keep=1,
                          **{self._cache_kw: cache})
