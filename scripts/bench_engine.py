@@ -128,24 +128,32 @@ def forward_bound(model, prompts: list[list[int]], new_tokens: int, pad_id: int,
                   repeat: int = 3) -> tuple[float, dict]:
     """The same work as raw forward passes in this process, no scheduler and no HTTP:
     prefill every prompt, then ``new_tokens`` decode steps of the whole batch over one KV
-    cache, with the engine's own kernels (GQA attention without K/V copies, an in-place
-    growing cache). Two static schedules, the faster one counts: one left-padded prefill
+    cache, with the engine's own forward pass and kernels (rollout/engines/hf/lean.py where
+    the architecture allows, GQA attention without K/V copies, an in-place growing cache).
+    Two static schedules, the faster one counts: one left-padded prefill
     of all prompts, or length-sorted prefill chunks of 16 merged into one cache.
     Returns (seconds, details)."""
     from transformers import DynamicCache
 
+    from rollout.engines.hf import lean
     from rollout.engines.hf.fast_kernels import GrowingLayer
     from trainer.models import cache_kwarg
 
     b = len(prompts)
     kw = cache_kwarg(model)
 
+    if lean.supports(model):  # the engine's own forward pass, as the engine runs it
+        forward = lean.LeanForward(model)
+    else:
+        def forward(ids, mask, pos, cache):
+            return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **{kw: cache}).logits[:, -1]
+
     def prefill(chunk):
         ids, mask = left_pad(chunk, pad_id)
         pos = (mask.cumsum(1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                    logits_to_keep=1, **{kw: DynamicCache()})
-        return out[kw], mask, out.logits[:, -1]
+        cache = DynamicCache()
+        return cache, mask, forward(ids, mask, pos, cache)
 
     def run(chunk_size):
         order = sorted(prompts, key=len)
@@ -168,8 +176,7 @@ def forward_bound(model, prompts: list[list[int]], new_tokens: int, pad_id: int,
         for _ in range(new_tokens):
             nxt = torch.multinomial(torch.softmax(logits.float(), -1), 1)
             mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype)], 1)
-            logits = model(input_ids=nxt, attention_mask=mask, position_ids=pos, use_cache=True,
-                           logits_to_keep=1, **{kw: cache}).logits[:, -1]
+            logits = forward(nxt, mask, pos, cache)
             pos = pos + 1
 
     best = {}
