@@ -604,18 +604,18 @@ class Batcher:
     def _merge(self, reqs, cache, mask, pos, last, rows: Optional[torch.Tensor] = None) -> None:
         """Add prefilled requests to the running batch: their KV (``cache``, or its rows
         ``rows``) goes into free slots, right-aligned with the running rows."""
-        t_old = self.kv.width if self.rows else 0
+        t_old = self.kv.width
         self.kv.add(cache.layers, rows)
         width = self.kv.width
 
         def lpad(m, n):
             return torch.nn.functional.pad(m, (n, 0)) if n else m
 
+        mask = lpad(mask, width - mask.shape[1])
         if not self.rows:
-            self.rows, self.pos, self.last = list(reqs), pos, last
-            self.mask = lpad(mask, width - mask.shape[1])
+            self.rows, self.mask, self.pos, self.last = list(reqs), mask, pos, last
             return
-        self.mask = torch.cat([lpad(self.mask, width - t_old), lpad(mask, width - mask.shape[1])])
+        self.mask = torch.cat([lpad(self.mask, width - t_old), mask])
         self.pos = torch.cat([self.pos, pos])
         self.last = torch.cat([self.last, last])
         self.rows.extend(reqs)
