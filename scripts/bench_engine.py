@@ -128,19 +128,22 @@ def forward_bound(model, prompts: list[list[int]], new_tokens: int, pad_id: int,
                   repeat: int = 3) -> tuple[float, dict]:
     """The same work as raw forward passes in this process, no scheduler and no HTTP:
     prefill every prompt, then ``new_tokens`` decode steps of the whole batch over one KV
-    cache, with the engine's own forward pass and kernels (rollout/engines/hf/lean.py where
-    the architecture allows, GQA attention without K/V copies, an in-place growing cache).
+    cache, with the engine's own forward pass, kernels and sampler (rollout/engines/hf/lean.py
+    where the architecture allows: packed prefill; the C decode attention; an in-place
+    growing cache; the inverse-CDF draw).
     Two static schedules, the faster one counts: one left-padded prefill
     of all prompts, or length-sorted prefill chunks of 16 merged into one cache.
     Returns (seconds, details)."""
     from transformers import DynamicCache
 
     from rollout.engines.hf import lean
+    from rollout.engines.hf.batcher import draw
     from rollout.engines.hf.fast_kernels import GrowingLayer
     from trainer.models import cache_kwarg
 
     b = len(prompts)
     kw = cache_kwarg(model)
+    gen = torch.Generator().manual_seed(0)
 
     if lean.supports(model):  # the engine's own forward pass, as the engine runs it
         forward = lean.LeanForward(model)
@@ -174,7 +177,7 @@ def forward_bound(model, prompts: list[list[int]], new_tokens: int, pad_id: int,
         logits = torch.cat([lg for _, _, lg in parts])
         pos = mask.sum(1, keepdim=True)
         for _ in range(new_tokens):
-            nxt = torch.multinomial(torch.softmax(logits.float(), -1), 1)
+            nxt = draw(torch.softmax(logits.float(), -1), gen)[:, None]
             mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype)], 1)
             logits = forward(nxt, mask, pos, cache)
             pos = pos + 1

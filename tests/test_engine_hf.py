@@ -489,12 +489,15 @@ def small_model(arch: str, tiny_model_path: str):
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
 @torch.no_grad()
-def test_lean_forward_equals_transformers_forward(arch, tiny_model_path):
+def test_lean_forward_equals_transformers_forward(arch, tiny_model_path, monkeypatch):
     """The engine's own forward pass (rollout/engines/hf/lean.py) gives what transformers'
-    does with the same attention, on the engine's layouts: prefill, then decode steps."""
+    does with the same attention, on the engine's layouts: a packed prefill (rows of
+    different lengths), then decode steps; the LM head in vocabulary slices."""
     from transformers import DynamicCache
 
     from rollout.engines.hf import lean
+
+    monkeypatch.setattr(lean, "VOCAB_SLICE", 128)  # the test vocabularies are 300-456
 
     model = small_model(arch, tiny_model_path).eval()
     assert lean.supports(model)

@@ -79,6 +79,18 @@ class Request:
     group_rid: Optional[str] = None  # the client's rid when n > 1 made several requests
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``probs`` [B, vocab], by inverse CDF: a uniform draw per row
+    located in the row's cumulative sum (as torch.multinomial does with replacement, but
+    that one spends as long as the draw without: 65 ms per decode step at batch 64 x 49k
+    vocab on one core, a fifth of SmolLM2's step; this takes ~5 ms). Each token's share of
+    the float32 sum is exact up to one rounding of the running sum (<= 6e-8 absolute)."""
+    cdf = probs.cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+    # right=True: the first entry whose cdf exceeds u, so zero-probability tokens are skipped.
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
+
+
 class PrefixCache:
     """Finished sequences' KV, LRU by bytes, looked up by longest prefix of a new prompt.
 
@@ -540,8 +552,10 @@ class Batcher:
             if want_lp:
                 logps = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
             return tokens, logps
-        t = torch.tensor([tt if tt > 0 else 1.0 for tt in temps], dtype=logits.dtype)
-        scaled = logits / t[:, None]
+        scaled = logits
+        if any(tt not in (0, 1) for tt in temps):
+            t = torch.tensor([tt if tt > 0 else 1.0 for tt in temps], dtype=logits.dtype)
+            scaled = logits / t[:, None]
         logp_scaled = torch.log_softmax(scaled, -1)
         filt = scaled
         if any(r.top_k > 0 for r in reqs) or any(r.top_p < 1.0 for r in reqs):
@@ -549,14 +563,16 @@ class Batcher:
         probs = torch.softmax(filt, -1)
         tokens = torch.empty(len(reqs), dtype=torch.long)
         shared = [i for i, r in enumerate(reqs) if r.generator is None and r.temperature > 0]
-        if shared:
+        if len(shared) == len(reqs):
+            tokens = draw(probs, self.default_gen)
+        elif shared:
             idx = torch.tensor(shared)
-            tokens[idx] = torch.multinomial(probs[idx], 1, generator=self.default_gen)[:, 0]
+            tokens[idx] = draw(probs[idx], self.default_gen)
         for i, r in enumerate(reqs):
             if r.temperature == 0:
                 tokens[i] = logits[i].argmax()
             elif r.generator is not None:
-                tokens[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
+                tokens[i] = draw(probs[i:i + 1], r.generator)[0]
         logps = None
         if want_lp:
             base = logp_scaled

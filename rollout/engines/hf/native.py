@@ -1,0 +1,96 @@
+"""The engine's C kernels: built once per machine with the system C compiler, called
+through ctypes.
+
+Plain C with no torch headers, so a build takes about a second (a torch C++ extension
+takes a minute) and needs only ``cc``. The library lives in
+``$HOMEGYM_CACHE/kernels/<hash>/``, keyed by the source, the compiler flags and this CPU's
+model and flags (it is built with ``-march=native``, so a cache shared across different
+machines gets one build per CPU kind). No compiler, a failed build, or
+``HOMEGYM_NATIVE_KERNELS=0``: ``load()`` returns None and callers keep their torch path,
+which computes the same thing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared"]
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_tried = False
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
+    return platform.machine() + "\n" + "\n".join(sorted(set(lines)))
+
+
+def _kernels_dir() -> Path:
+    root = os.environ.get("HOMEGYM_CACHE") or os.path.join(Path.home(), ".cache", "homegym")
+    return Path(root) / "kernels"
+
+
+def _build(cc: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then rename: concurrent engines never load a partial file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> Optional[ctypes.CDLL]:
+    """The compiled kernels, building them on first use; None where they are unavailable."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("HOMEGYM_NATIVE_KERNELS", "1") == "0":
+            return None
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            log.warning("no C compiler found: the engine uses its torch decode attention")
+            return None
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *CFLAGS]).encode()
+                             + _cpu_id().encode()).hexdigest()[:16]
+        path = _kernels_dir() / key / "libhomegym_kernels.so"
+        try:
+            if not path.exists():
+                _build(cc, path)
+            lib = ctypes.CDLL(str(path))
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            log.warning("building the engine's C kernels failed (%s): using the torch path",
+                        detail)
+            return None
+        fn = lib.homegym_decode_attention
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr] * 5 + [i64] * 12 + [ctypes.c_float] * 2
+        fn.restype = ctypes.c_int
+        _lib = lib
+        return _lib

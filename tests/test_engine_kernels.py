@@ -1,0 +1,74 @@
+"""The CPU engine's own kernels against the torch math they replace: the C decode attention
+(on the slot cache's layouts: strided K/V windows, left padding, holes) and the
+inverse-CDF token draw."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rollout.engines.hf import fast_kernels, native
+from rollout.engines.hf.batcher import draw
+
+MASKED = torch.finfo(torch.float32).min
+
+
+def slot_layout(b, hkv, g, t, d, seed=0):
+    """q [b, hkv*g, 1, d]; K/V as views of a window [c0, c0 + t) of larger slot buffers;
+    an additive mask [b, 1, 1, t + 3] whose rows start at different columns and have holes."""
+    gen = torch.Generator().manual_seed(seed)
+    kbuf = torch.randn(b + 2, hkv, t + 9, d, generator=gen)
+    vbuf = torch.randn(b + 2, hkv, t + 9, d, generator=gen)
+    k, v = kbuf[:b, :, 4:4 + t], vbuf[:b, :, 4:4 + t]
+    q = torch.randn(b, hkv * g, 1, d, generator=gen)
+    allow = torch.rand(b, t, generator=gen) > 0.25
+    starts = torch.randint(0, t, (b,), generator=gen)
+    allow &= torch.arange(t)[None, :] >= starts[:, None]  # left padding
+    allow[:, -1] = True  # every row attends at least to its newest token
+    mask = torch.zeros(b, 1, 1, t + 3).masked_fill_(
+        ~torch.nn.functional.pad(allow, (0, 3), value=True)[:, None, None], MASKED)
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("b,hkv,g,t,d", [(64, 2, 2, 150, 32), (7, 3, 3, 33, 64),
+                                         (3, 1, 4, 9, 128), (5, 2, 1, 1, 16), (4, 2, 3, 20, 12)])
+def test_native_decode_attention_equals_folded_torch_attention(b, hkv, g, t, d):
+    assert native.load() is not None, "the C kernels did not build (is a C compiler installed?)"
+    q, k, v, mask = slot_layout(b, hkv, g, t, d)
+    got, _ = fast_kernels.gqa_attention_forward(None, q, k, v, mask, scaling=d ** -0.5)
+    want = fast_kernels.folded_attention(q, k, v, mask, d ** -0.5)
+    assert got.shape == want.shape == (b, 1, hkv * g, d)
+    assert torch.allclose(got, want, atol=2e-6, rtol=1e-5), (got - want).abs().max()
+    # Masked columns are not read: poisoning them changes nothing.
+    k2, v2 = k.clone(), v.clone()
+    hidden = (mask[:, 0, 0, :t] == MASKED)[:, None, :, None].expand_as(k2)
+    k2[hidden], v2[hidden] = float("nan"), float("nan")
+    again, _ = fast_kernels.gqa_attention_forward(None, q, k2, v2, mask, scaling=d ** -0.5)
+    assert torch.equal(again, got)
+
+
+def test_native_kernels_can_be_switched_off(tmp_path):
+    """HOMEGYM_NATIVE_KERNELS=0 keeps the torch path (and builds nothing)."""
+    code = ("from rollout.engines.hf import native; import sys; "
+            "sys.exit(0 if native.load() is None else 1)")
+    env = {"HOMEGYM_NATIVE_KERNELS": "0", "HOMEGYM_CACHE": str(tmp_path), "PATH": "/usr/bin"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=native.SOURCE.parents[4])
+    assert not (tmp_path / "kernels").exists()
+
+
+def test_draw_samples_the_distribution_and_never_a_zero_probability_token():
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(40, generator=gen), -1)
+    p[[0, 7, 39]] = 0  # e.g. removed by top-k / top-p (the first and last entries too)
+    p /= p.sum()
+    n = 200_000
+    tokens = draw(p.expand(n, -1), gen)
+    counts = torch.bincount(tokens, minlength=40).double()
+    assert counts[[0, 7, 39]].sum() == 0
+    sigma = (n * p.double() * (1 - p.double())).sqrt()
+    assert ((counts - n * p.double()).abs() <= 5 * sigma + 1).all()
+    # Seeded generators reproduce their draws (requests with a seed rely on it).
+    a = draw(p.expand(8, -1), torch.Generator().manual_seed(5))
+    b = draw(p.expand(8, -1), torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
