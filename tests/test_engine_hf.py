@@ -492,7 +492,8 @@ def small_model(arch: str, tiny_model_path: str):
 def test_lean_forward_equals_transformers_forward(arch, tiny_model_path, monkeypatch):
     """The engine's own forward pass (rollout/engines/hf/lean.py) gives what transformers'
     does with the same attention, on the engine's layouts: a packed prefill (rows of
-    different lengths), then decode steps; the LM head in vocabulary slices."""
+    different lengths), decode steps, then a padded multi-token suffix over the cache (the
+    next turn of an episode) and more decode; the LM head in vocabulary slices."""
     from transformers import DynamicCache
 
     from rollout.engines.hf import lean
@@ -504,11 +505,17 @@ def test_lean_forward_equals_transformers_forward(arch, tiny_model_path, monkeyp
     fwd = lean.LeanForward(model)
     ids, mask, pos = engine_layout(min(300, model.config.vocab_size))
     caches = (DynamicCache(), DynamicCache())
-    for _ in range(4):
+    for step in range(7):
         want = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=caches[0],
                      logits_to_keep=1).logits[:, -1]
         got = fwd(ids, mask, pos, caches[1])
-        assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+        assert torch.allclose(got, want, atol=1e-6), (step, (got - want).abs().max())
         ids = want.argmax(-1, keepdim=True)
-        mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
-        pos = pos[:, -1:] + 1
+        new = torch.ones(3, 1, dtype=torch.long)
+        last = pos[:, -1:]
+        if step == 3:  # a suffix of 5 tokens; row 0 brings only 3 (left-padded)
+            ids = torch.cat([torch.randint(5, 200, (3, 4)), ids], 1)
+            new = torch.ones(3, 5, dtype=torch.long)
+            new[0, :2] = 0
+        mask = torch.cat([mask, new], 1)
+        pos = (last + new.cumsum(1)).clamp(min=0) * new

