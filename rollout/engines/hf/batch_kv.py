@@ -37,6 +37,13 @@ class BatchKV:
         self.rows = 0
         self.c0 = self.c1 = 0
         self.cache: Optional[DynamicCache] = None  # views of the active window, for forward()
+        self._expect = (0, 0)  # (rows, width) of the wave joining: see expect()
+
+    def expect(self, rows: int, width: int) -> None:
+        """A wave of prefills is about to join: the batch will have up to ``rows`` rows,
+        the longest ``width`` columns. The next reallocation makes room for all of it, so
+        a wave prefilled in several chunks reallocates once, not once per chunk."""
+        self._expect = (rows, width)
 
     @property
     def width(self) -> int:
@@ -49,6 +56,9 @@ class BatchKV:
         cap_cols = self.k[0].shape[2] if self.k else 0
         if rows <= cap_rows and width <= self.c1 and self.c1 + right <= cap_cols:
             return
+        # Size for the rest of the wave now joining too, not one chunk at a time.
+        rows, width = max(rows, self._expect[0]), max(width, self._expect[1])
+        self._expect = (0, 0)
         # Sized from what is needed now (plus spare), not from the old capacity: a batch
         # that shrank gives memory back at its next reallocation.
         old_k, old_v, w = self.k, self.v, self.width

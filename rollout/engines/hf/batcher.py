@@ -275,11 +275,14 @@ class Batcher:
                     if room > 0:
                         t0 = time.perf_counter()
                         admit, self._pending = self._pending[:room], self._pending[room:]
+                        self.kv.expect(len(self.rows) + len(admit),
+                                       max(len(r.input_ids) for r in admit))
                         for chunk in self._prefill_chunks(admit):
                             if self.partial_update:
                                 self._note_partial_pass(chunk)
                             self._prefill(chunk)
                             self.stats["prefills"] += 1
+                        self.kv.expect(0, 0)
                         self.stats["prefill_s"] += time.perf_counter() - t0
                 if self.rows:
                     t0 = time.perf_counter()
