@@ -386,6 +386,34 @@ def test_prefill_chunks_by_uncached_length(ref_model):
 
 
 @torch.no_grad()
+def test_a_forming_wave_takes_its_stragglers_before_decoding(ref_model):
+    """Requests that arrive while a just-prefilled batch has not decoded yet join it before
+    its first decode step (the wave then decodes in step), at most twice per wave; a batch
+    that has decoded is never held."""
+    from rollout.engines.hf.batcher import Batcher, Request
+
+    b = Batcher(ref_model, None, set(), 1024)
+
+    def req(i):
+        return Request(rid=str(i), input_ids=[5 + i] * 8, max_new_tokens=4, ignore_eos=True)
+
+    assert not b._wave_still_arriving()  # nothing running
+    b._prefill([req(0)])
+    assert not b._wave_still_arriving()  # nothing waiting
+    for i in (1, 2):
+        b.waiting.put(req(i))
+        assert b._wave_still_arriving()
+        b._drain_waiting()
+        b._prefill(b._pending)
+        b._pending = []
+    b.waiting.put(req(3))
+    assert not b._wave_still_arriving()  # held twice already: decode now
+    b._decode()
+    assert not b._wave_still_arriving()  # decoding: never held
+    assert [len(r.output_ids) for r in b.rows] == [2, 2, 2]
+
+
+@torch.no_grad()
 def test_same_next_turn_over_cached_prefix_is_computed_once(ref_model):
     """Episodes of a group that answered alike send the same next turn: over the same
     cached prefix it is one forward row, expanded, and the log-probs stay exact."""
