@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollout.engines.hf import fast_kernels, native
-from rollout.engines.hf.batcher import draw
+from rollout.engines.hf.batcher import draw, sample_plain
 
 MASKED = torch.finfo(torch.float32).min
 
@@ -72,3 +72,20 @@ def test_draw_samples_the_distribution_and_never_a_zero_probability_token():
     a = draw(p.expand(8, -1), torch.Generator().manual_seed(5))
     b = draw(p.expand(8, -1), torch.Generator().manual_seed(5))
     assert torch.equal(a, b)
+
+
+def test_plain_sampling_gives_log_softmax_and_samples_the_distribution():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 500, generator=gen) * 4
+    tokens, logps = sample_plain(logits, gen)
+    want = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
+    assert torch.allclose(logps, want, atol=1e-6), (logps - want).abs().max()
+    n = 100_000
+    row = torch.randn(1, 30, generator=gen)
+    row[0, 11] = float("-inf")  # a masked token is never drawn
+    tokens, lps = sample_plain(row.expand(n, -1), gen, want_lp=False)
+    assert lps is None
+    p = torch.softmax(row[0].double(), -1)
+    counts = torch.bincount(tokens, minlength=30).double()
+    assert counts[11] == 0
+    assert ((counts - n * p).abs() <= 5 * (n * p * (1 - p)).sqrt() + 1).all()

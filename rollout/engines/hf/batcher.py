@@ -91,6 +91,23 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
 
 
+def sample_plain(scaled: torch.Tensor, generator: torch.Generator, want_lp: bool = True):
+    """Tokens for rows of temperature-scaled logits [B, vocab] with no top-k/top-p (the RL
+    default), and their log-probs (None unless ``want_lp``). One [B, vocab] tensor (exp,
+    then its running sum in place, searched like ``draw``) where log-softmax + softmax +
+    ``draw`` make three: SmolLM2, batch 64, ~6 vs ~16 ms per decode step. The log-prob is
+    log-softmax's own formula, x - max - log(sum(exp(x - max))), at the sampled token."""
+    top = scaled.amax(-1, keepdim=True)
+    cdf = (scaled - top).exp_()
+    total = cdf.sum(-1, keepdim=True) if want_lp else None
+    cdf.cumsum_(-1)
+    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+    if not want_lp:
+        return tokens, None
+    return tokens, (scaled.gather(1, tokens[:, None]) - top - total.log())[:, 0]
+
+
 class PrefixCache:
     """Finished sequences' KV, LRU by bytes, looked up by longest prefix of a new prompt.
 
@@ -584,6 +601,10 @@ class Batcher:
         if any(tt not in (0, 1) for tt in temps):
             t = torch.tensor([tt if tt > 0 else 1.0 for tt in temps], dtype=logits.dtype)
             scaled = logits / t[:, None]
+        if not RETURN_ORIGINAL_LOGPROB and all(
+                r.temperature > 0 and r.generator is None and r.top_k <= 0 and r.top_p >= 1.0
+                for r in reqs):
+            return sample_plain(scaled, self.default_gen, want_lp)
         logp_scaled = torch.log_softmax(scaled, -1)
         filt = scaled
         if any(r.top_k > 0 for r in reqs) or any(r.top_p < 1.0 for r in reqs):

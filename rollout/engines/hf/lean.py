@@ -10,9 +10,10 @@ step 7.05 -> 6.2-6.5 ms; bench_engine's multi-turn shape 1.42 -> 1.30 s (median 
 interleaved runs), its single burst -3%. Two more savings: a prefill of mixed-length rows
 runs packed (no matmul work on padding) and the LM head runs in vocabulary slices.
 Results agree with transformers' forward with the same attention to float rounding
-(tests/test_engine_hf.py): bitwise, except that a packed prefill's per-row causal attention
-rounds differently from one masked call over the padded batch (SmolLM2 logits within 4e-5). Any other architecture (or a sliding-window config)
-keeps transformers' forward.
+(tests/test_engine_hf.py): bitwise, except that a packed prefill's per-row causal
+attention rounds differently from one masked call over the padded batch (SmolLM2 logits
+within 4e-5). Any other architecture (or a sliding-window config) keeps transformers'
+forward.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def _unpack(z: torch.Tensor, flat: torch.Tensor, b: int, t: int) -> torch.Tensor
 
 
 class Packed:
-    """A prefill's real tokens as one sequence: ``real`` [B, T] marks them (each row's run
-    is right-aligned), ``past`` is the number of cached columns before the suffix."""
+    """A prefill's real tokens as one sequence: ``real`` [B, T] marks them (each row's
+    last column is real), ``past`` is the number of cached columns before the suffix."""
 
     def __init__(self, real: torch.Tensor, past: int):
         self.past = past
@@ -118,7 +119,8 @@ class LeanForward:
             x = inner.embed_tokens(input_ids.reshape(-1)[flat])[None]  # [1, N, hidden]
             cos, sin = inner.rotary_emb(x, position_ids.reshape(-1)[flat][None])
         n = x.shape[1]
-        mask = self._mask(attention_mask, t, x.dtype)
+        per_row = packed is not None and packed.past == 0
+        mask = None if per_row else self._mask(attention_mask, t, x.dtype)
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
             h = _norm(layer.input_layernorm, x)
@@ -133,7 +135,7 @@ class LeanForward:
                 k, v = cache.update(k, v, i)
                 out, _ = gqa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
                 out = out.reshape(b, t, -1)
-            elif packed.past == 0:  # each row attends to itself only: causal, per row
+            elif per_row:  # no past: each row attends to itself only, causally
                 cache.update(_unpack(k, flat, b, t), _unpack(v, flat, b, t), i)
                 out = packed.causal_attention(q, k, v, attn.scaling)
             else:  # rows with a cached past: attention on the padded layout
