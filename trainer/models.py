@@ -48,9 +48,13 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def cache_root() -> Path:
+    """Where homegym keeps what it builds: models, compiled kernels."""
+    return Path(os.environ.get("HOMEGYM_CACHE") or os.path.join(Path.home(), ".cache", "homegym"))
+
+
 def default_cache_dir() -> Path:
-    root = os.environ.get("HOMEGYM_CACHE") or os.path.join(Path.home(), ".cache", "homegym")
-    return Path(root) / "models"
+    return cache_root() / "models"
 
 
 def resolve_model_path(path: str, cache_dir: str | None = None) -> str:

@@ -24,6 +24,8 @@ import threading
 from pathlib import Path
 from typing import Optional
 
+from trainer.models import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
@@ -42,11 +44,6 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
     lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
     return platform.machine() + "\n" + "\n".join(sorted(set(lines)))
-
-
-def _kernels_dir() -> Path:
-    root = os.environ.get("HOMEGYM_CACHE") or os.path.join(Path.home(), ".cache", "homegym")
-    return Path(root) / "kernels"
 
 
 def _build(cc: str, out: Path) -> None:
@@ -78,7 +75,7 @@ def load() -> Optional[ctypes.CDLL]:
             return None
         key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *CFLAGS]).encode()
                              + _cpu_id().encode()).hexdigest()[:16]
-        path = _kernels_dir() / key / "libhomegym_kernels.so"
+        path = cache_root() / "kernels" / key / "libhomegym_kernels.so"
         try:
             if not path.exists():
                 _build(cc, path)

@@ -9,7 +9,9 @@
  *
  * Layouts (strides in elements): q and out [B, Hkv * G, D] contiguous; k and v with
  * strides (row, head, column) and a contiguous head dim; mask [B, T] with row stride.
- * Built by rollout/engines/hf/native.py with -fopenmp-simd (no OpenMP runtime).
+ * Built by rollout/engines/hf/native.py with -ffast-math (vectorized expf; sums
+ * reassociated) and -fopenmp-simd (the simd pragmas, no OpenMP runtime). Masked columns may
+ * hold -inf in the mask: they are only compared, never computed with.
  */
 #include <float.h>
 #include <math.h>
