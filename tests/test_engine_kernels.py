@@ -1,6 +1,6 @@
 """The CPU engine's own kernels against the torch math they replace: the C decode attention
-(on the slot cache's layouts: strided K/V windows, left padding, holes) and the
-inverse-CDF token draw."""
+(on the slot cache's layouts: strided K/V windows, left padding, holes), the C rotary
+embedding, and the token draws."""
 
 import subprocess
 import sys
@@ -46,6 +46,20 @@ def test_native_decode_attention_equals_folded_torch_attention(b, hkv, g, t, d):
     k2[hidden], v2[hidden] = float("nan"), float("nan")
     again, _ = fast_kernels.gqa_attention_forward(None, q, k2, v2, mask, scaling=d ** -0.5)
     assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("b,t,h,hkv,d", [(1, 300, 9, 3, 64), (64, 1, 4, 2, 32), (2, 3, 2, 1, 6)])
+def test_native_rope_is_transformers_rope_bitwise(b, t, h, hkv, d):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(2)
+    q, k = torch.randn(b, t, h, d, generator=gen), torch.randn(b, t, hkv, d, generator=gen)
+    angles = torch.randn(b, t, d, generator=gen) * 10
+    cos, sin = angles.cos(), angles.sin()
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    assert fast_kernels.rope_(q, k, cos, sin)  # in place
+    assert torch.equal(q.transpose(1, 2), want_q) and torch.equal(k.transpose(1, 2), want_k)
+    assert not fast_kernels.rope_(q.double(), k.double(), cos.double(), sin.double())
 
 
 def test_native_kernels_can_be_switched_off(tmp_path):

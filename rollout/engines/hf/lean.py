@@ -23,7 +23,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from rollout.engines.hf.fast_kernels import gqa_attention_forward
+from rollout.engines.hf.fast_kernels import gqa_attention_forward, rope_
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 VOCAB_SLICE = 1024
@@ -130,7 +130,10 @@ class LeanForward:
             v = _linear(h, attn.v_proj).view(shape).transpose(1, 2)
             if hasattr(attn, "q_norm"):  # Qwen3
                 q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
-            q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            if rope_(q, k, cos, sin):  # in place, one pass
+                q, k = q.transpose(1, 2), k.transpose(1, 2)
+            else:
+                q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             if packed is None:
                 k, v = cache.update(k, v, i)
                 out, _ = gqa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)

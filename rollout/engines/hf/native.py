@@ -1,5 +1,5 @@
-"""The engine's C kernels: built once per machine with the system C compiler, called
-through ctypes.
+"""The engine's C kernels (decode attention, rotary embedding): built once per machine
+with the system C compiler, called through ctypes.
 
 Plain C with no torch headers, so a build takes about a second (a torch C++ extension
 takes a minute) and needs only ``cc``. The library lives in
@@ -28,7 +28,7 @@ from trainer.models import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared"]
 
 _lock = threading.Lock()
@@ -85,9 +85,10 @@ def load() -> Optional[ctypes.CDLL]:
             log.warning("building the engine's C kernels failed (%s): using the torch path",
                         detail)
             return None
-        fn = lib.homegym_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr] * 5 + [i64] * 12 + [ctypes.c_float] * 2
-        fn.restype = ctypes.c_int
+        lib.homegym_decode_attention.argtypes = [ptr] * 5 + [i64] * 12 + [ctypes.c_float] * 2
+        lib.homegym_decode_attention.restype = ctypes.c_int
+        lib.homegym_rope.argtypes = [ptr] * 3 + [i64] * 3
+        lib.homegym_rope.restype = None
         _lib = lib
         return _lib

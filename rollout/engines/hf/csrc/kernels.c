@@ -1,4 +1,7 @@
-/* Decode attention (one query per row) over the engine's slot KV cache, float32.
+/* The CPU engine's C kernels, built by rollout/engines/hf/native.py and called by
+ * fast_kernels.py.
+ *
+ * Decode attention (one query per row) over the engine's slot KV cache, float32.
  *
  * For each row b and KV head h, the G query heads that share h (repeat_kv's layout: query
  * head h*G + g) attend to K/V columns [0, T) of that row, with eager attention's math:
@@ -100,3 +103,29 @@ int homegym_decode_attention(const float *q, const float *k, const float *v, con
     free(scores); free(cols); free(maxs); free(sums);
     return 0;
 }
+
+/* Rotary position embedding in place, transformers' rotate-half form:
+ * out[i] = x[i] * cos[i] - x[i + D/2] * sin[i] and out[i + D/2] = x[i + D/2] * cos[i + D/2]
+ * + x[i] * sin[i + D/2], for x [M, H, D] and cos/sin [M, D], all contiguous. Without FMA
+ * contraction it rounds exactly as q * cos + rotate_half(q) * sin does in torch: one pass
+ * over q and k instead of torch's five temporaries (q * cos, two halves, -x2, their cat,
+ * the product with sin, the sum). */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+void homegym_rope(float *x, const float *cos, const float *sin, int64_t M, int64_t H,
+                  int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t m = 0; m < M; m++) {
+        const float *c = cos + m * D, *s = sin + m * D;
+        for (int64_t h = 0; h < H; h++) {
+            float *a = x + (m * H + h) * D, *b = a + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = a[i], x2 = b[i];
+                a[i] = x1 * c[i] - x2 * s[i];
+                b[i] = x2 * c[i + half] + x1 * s[i + half];
+            }
+        }
+    }
+}
+#pragma GCC pop_options
