@@ -16,7 +16,7 @@ import torch
 from rollout.generate import close_session
 from rollout.generate import generate as default_generate
 from rollout.manager import RolloutManagerCore
-from rollout_engines import config
+from rollout_engines import config, start_decoding
 
 pytestmark = pytest.mark.slow
 
@@ -55,9 +55,7 @@ def _rollout_while(cfg, router_url, fault):
     """Run one rollout step; call ``fault()`` once it is well under way."""
     async def go():
         core = RolloutManagerCore(cfg, router_url)
-        task = asyncio.create_task(core.generate(1))
-        await asyncio.sleep(0.4)
-        assert not task.done(), "rollout finished before the fault: make it longer"
+        task, _ = await start_decoding(router_url, core.generate(1), steps=20)
         await asyncio.get_running_loop().run_in_executor(None, fault)
         try:
             return await task

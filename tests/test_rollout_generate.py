@@ -8,7 +8,7 @@ from rollout.args import RolloutArgs
 from rollout.generate import (EngineError, EnginePolicy, Episode, GenerateState,
                               close_session, generate, post, run_episode)
 from rollout.sample import Sample
-from rollout_engines import config, engines
+from rollout_engines import config, engines, start_decoding
 from rollout_plugins import EndlessEnv
 
 pytestmark = pytest.mark.slow
@@ -116,13 +116,12 @@ def test_abort_mid_turn_then_resume_keeps_partial_tokens(state, router):
         s = prompt_sample(state)
         ep = Episode(s)
         policy = EnginePolicy(state, params)
-        task = asyncio.create_task(run_episode(ep, policy, state.renderer, max_turns=1,
-                                               max_context_len=1024, max_response_len=300))
-        await asyncio.sleep(0.4)
-        workers = await post(f"{router}/workers", method="GET")
-        workers = workers.get("workers", workers) if isinstance(workers, dict) else workers
-        for w in workers:
-            await post(f"{w['url']}/abort_request", {"abort_all": True})
+        # Abort once the turn is decoding, far from its 300 tokens (a fixed sleep raced:
+        # a fast engine finishes 300 tiny-model tokens in ~0.4 s).
+        task, urls = await start_decoding(router, run_episode(
+            ep, policy, state.renderer, max_turns=1, max_context_len=1024, max_response_len=300))
+        for url in urls:
+            await post(f"{url}/abort_request", {"abort_all": True})
         first = await task
         partial = (first.status, first.response_length, list(first.tokens))
         again = await run_episode(ep, policy, state.renderer, max_turns=1,
