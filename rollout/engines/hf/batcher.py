@@ -85,10 +85,14 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     that one spends as long as the draw without: 65 ms per decode step at batch 64 x 49k
     vocab on one core, a fifth of SmolLM2's step; this takes ~5 ms). Each token's share of
     the float32 sum is exact up to one rounding of the running sum (<= 6e-8 absolute)."""
-    cdf = probs.cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
-    # right=True: the first entry whose cdf exceeds u, so zero-probability tokens are skipped.
-    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
+    return _locate(probs.cumsum(-1), generator)
+
+
+def _locate(cdf: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Per row of running sums [B, vocab], where a uniform draw of the row's total falls:
+    the first entry whose sum exceeds it, so zero-probability entries are never chosen."""
+    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
 
 
 def sample_plain(scaled: torch.Tensor, generator: torch.Generator, want_lp: bool = True):
@@ -100,9 +104,7 @@ def sample_plain(scaled: torch.Tensor, generator: torch.Generator, want_lp: bool
     top = scaled.amax(-1, keepdim=True)
     cdf = (scaled - top).exp_()
     total = cdf.sum(-1, keepdim=True) if want_lp else None
-    cdf.cumsum_(-1)
-    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+    tokens = _locate(cdf.cumsum_(-1), generator)
     if not want_lp:
         return tokens, None
     return tokens, (scaled.gather(1, tokens[:, None]) - top - total.log())[:, 0]
