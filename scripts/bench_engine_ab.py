@@ -1,0 +1,116 @@
+"""A/B the CPU engine of two code versions: a git ref against the working tree.
+
+    .venv/bin/python scripts/bench_engine_ab.py --base REF [--model tiny-qwen3]
+        [--pairs 12] [--multiturn]
+
+Starts one engine server from a temporary git worktree of REF and one from this checkout,
+warms both up, then sends bench_engine.py's workload to them in interleaved pairs
+(A B, B A, ...), so that drift in the machine's speed (other tenants, frequency) hits both
+alike. Prints each side's median and best and the ratio of medians. The workload is
+bench_engine.py's single burst (64 prompts of 10-160 tokens x 32 new tokens) or, with
+--multiturn, its multi-turn RL shape (64 episodes x 8 turns). One thread per server.
+Not a test: on a 2-core box give it a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from bench_engine import make_prompts, run_engine, run_multiturn  # noqa: E402
+
+
+def start_server(tree: str, model_path: str, port_file: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=tree)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rollout.engines.hf.server", "--model-path", model_path,
+         "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
+         "--torch-threads", "1", "--max-context-len", "4096"],
+        cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def wait_url(proc: subprocess.Popen, port_file: str, timeout: float = 300.0) -> str:
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine server exited with {proc.returncode}")
+        if os.path.exists(port_file):
+            url = f"http://127.0.0.1:{open(port_file).read().strip()}"
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    return url
+            except requests.RequestException:
+                pass
+        time.sleep(0.2)
+    raise TimeoutError("engine server did not become healthy")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="git ref of the A side (B = working tree)")
+    ap.add_argument("--model", default="tiny-qwen3")
+    ap.add_argument("--pairs", type=int, default=12)
+    ap.add_argument("--multiturn", action="store_true")
+    args = ap.parse_args()
+
+    from transformers import AutoConfig
+
+    from trainer.models import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    prompts = make_prompts(64, vocab, 8, 160)
+    with tempfile.TemporaryDirectory() as tmp:
+        base_tree = os.path.join(tmp, "base")
+        subprocess.run(["git", "-C", ROOT, "worktree", "add", "-q", "--detach", base_tree,
+                        args.base], check=True)
+        procs = []
+        try:
+            trees = {"A " + args.base: base_tree, "B working tree": ROOT}
+            urls = {}
+            for name, tree in trees.items():
+                port_file = os.path.join(tmp, f"port{len(procs)}")
+                procs.append(start_server(tree, path, port_file))
+                urls[name] = wait_url(procs[-1], port_file)
+
+            def once(url: str) -> float:
+                if args.multiturn:
+                    return asyncio.run(run_multiturn(url, 64, 8, vocab))[0]
+                return asyncio.run(run_engine(url, prompts, 32))[0]
+
+            for url in urls.values():
+                once(url)  # warm-up
+            times = {name: [] for name in urls}
+            names = list(urls)
+            for i in range(args.pairs):
+                for name in (names if i % 2 == 0 else names[::-1]):
+                    times[name].append(once(urls[name]))
+            workload = "multi-turn 64 x 8 turns" if args.multiturn else "burst 64 x 32 tokens"
+            print(f"{args.model}, {workload}, {args.pairs} interleaved pairs:")
+            for name, ts in times.items():
+                print(f"  {name}: median {statistics.median(ts):.3f} s, best {min(ts):.3f} s")
+            a, b = (statistics.median(times[n]) for n in names)
+            print(f"  ratio of medians B/A: {b / a:.3f}")
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(timeout=30)
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", base_tree],
+                           check=False)
+
+
+if __name__ == "__main__":
+    main()
