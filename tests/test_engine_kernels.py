@@ -1,6 +1,6 @@
 """The CPU engine's own kernels against the torch math they replace: the C decode attention
 (on the slot cache's layouts: strided K/V windows, left padding, holes), the C rotary
-embedding, and the token draws."""
+embedding, the oneDNN-packed matmuls, and the token draws."""
 
 import subprocess
 import sys
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from rollout.engines.hf import fast_kernels, native
+from rollout.engines.hf import fast_kernels, native, packed_linear
 from rollout.engines.hf.batcher import draw, sample_plain
 
 MASKED = torch.finfo(torch.float32).min
@@ -62,13 +62,57 @@ def test_native_rope_is_transformers_rope_bitwise(b, t, h, hkv, d):
     assert not fast_kernels.rope_(q.double(), k.double(), cos.double(), sin.double())
 
 
+@pytest.mark.parametrize("shape", [(64, 1, 4, 32), (1, 300, 576), (3, 7)])
+def test_native_rms_norm_equals_the_llama_familys_norm(shape):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    norm = LlamaRMSNorm(shape[-1], eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=gen))
+        x = torch.randn(shape, generator=gen) * 3
+        want = norm(x)
+        got = fast_kernels.rms_norm(x, norm.weight, norm.variance_epsilon)
+        assert got is not None and got.shape == x.shape
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+        same = x.clone()
+        assert fast_kernels.rms_norm(same, norm.weight, 1e-6, out=same) is same
+        assert torch.equal(same, got)
+        assert fast_kernels.rms_norm(x.double(), norm.weight.double(), 1e-6) is None
+
+
 def test_native_kernels_can_be_switched_off(tmp_path):
     """HOMEGYM_NATIVE_KERNELS=0 keeps the torch path (and builds nothing)."""
-    code = ("from rollout.engines.hf import native; import sys; "
-            "sys.exit(0 if native.load() is None else 1)")
+    code = ("from rollout.engines.hf import native, packed_linear; import sys; "
+            "sys.exit(0 if native.load() is None and not packed_linear.available() else 1)")
     env = {"HOMEGYM_NATIVE_KERNELS": "0", "HOMEGYM_CACHE": str(tmp_path), "PATH": "/usr/bin"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=native.SOURCE.parents[4])
     assert not (tmp_path / "kernels").exists()
+
+
+def test_packed_linear_matches_f_linear_and_follows_weight_updates():
+    assert packed_linear.available(), "torch was built without oneDNN (mkldnn)"
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(576, 1536)
+    mm = packed_linear.PackedLinears()
+    x = torch.randn(64, 576, generator=gen)
+    with torch.no_grad():
+        got = mm(x, layer.weight, layer.bias)
+        assert len(mm) == 1
+        assert torch.allclose(got, layer(x), atol=1e-5), (got - layer(x)).abs().max()
+        # 3-D input (a packed prefill's [1, N, hidden]), and the same packed copy reused.
+        x3 = torch.randn(1, 300, 576, generator=gen)
+        assert torch.allclose(mm(x3, layer.weight, layer.bias), layer(x3), atol=1e-5)
+        assert len(mm) == 1
+        # An in-place update (what the engine's weight updates do) is picked up.
+        layer.state_dict()["weight"].copy_(torch.randn(1536, 576, generator=gen))
+        assert torch.allclose(mm(x, layer.weight, layer.bias), layer(x), atol=1e-4)
+        # Small matmuls stay F.linear, exactly; so do weights that need grad under autograd.
+        small = torch.nn.Linear(64, 32)
+        assert torch.equal(mm(x[:4, :64], small.weight, small.bias), small(x[:4, :64]))
+        mm.clear()
+        assert len(mm) == 0
+    assert torch.equal(mm(x, layer.weight, layer.bias), layer(x)) and len(mm) == 0
 
 
 def test_draw_samples_the_distribution_and_never_a_zero_probability_token():

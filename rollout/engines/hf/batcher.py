@@ -408,6 +408,14 @@ class Batcher:
             if r.weight_versions[-1:] != [tag]:
                 r.weight_versions.append(tag)
 
+    def drop_weight_copies(self) -> None:
+        """Free what is derived from the weights (the prefix cache's KV, packed matmul
+        weights) before they are released. Weight updates need not call it: the KV cache is
+        cleared by the update and packed weights are refreshed on their next use."""
+        self.prefix_cache.clear()
+        if self._lean is not None:
+            self._lean.matmuls.clear()
+
     def reset_batch(self, reason: str) -> None:
         """Abort everything running (used before releasing memory)."""
         for r in self.rows + self._pending:

@@ -2,19 +2,21 @@
 
 Same weights (read from the transformers modules at every call, so weight updates,
 release and resume need no hook), same math and same order of operations as transformers'
-eager forward of Llama, Qwen2 and Qwen3 (in float32 its RMSNorm is torch's fused op and
-its RoPE the engine's C kernel, both bitwise the architectures' own; otherwise it calls
-their norms' forward and RoPE function directly). What it drops is per-call machinery the engine does not use: module hooks,
-decorators, kwargs plumbing, output dataclasses and the general mask builder. On one CPU
-core that machinery is a real share of a small model's step: tiny-qwen3, batch-64 decode
-step 7.05 -> 6.2-6.5 ms; bench_engine's multi-turn shape 1.42 -> 1.30 s (median of 8
-interleaved runs), its single burst -3%. Two more savings: a prefill of mixed-length rows
-runs packed (no matmul work on padding) and the LM head runs in vocabulary slices.
-Results agree with transformers' forward with the same attention to float rounding
-(tests/test_engine_hf.py): bitwise, except that a packed prefill's per-row causal
-attention rounds differently from one masked call over the padded batch (SmolLM2 logits
-within 4e-5). Any other architecture (or a sliding-window config) keeps transformers'
-forward.
+eager forward of Llama, Qwen2 and Qwen3. What it drops is per-call machinery the engine
+does not use: module hooks, decorators, kwargs plumbing, output dataclasses and the
+general mask builder. On one CPU core that machinery is a real share of a small model's
+step: tiny-qwen3, batch-64 decode step 7.05 -> 6.2-6.5 ms; bench_engine's multi-turn
+shape 1.42 -> 1.30 s (median of 8 interleaved runs), its single burst -3%. What it does
+differently, all in float32 (other dtypes keep transformers' own ops):
+- a prefill of mixed-length rows runs packed (no matmul work on padding), with per-row
+  causal attention;
+- the matmuls run on oneDNN-packed weights where that is faster (packed_linear.py);
+  otherwise the LM head runs in vocabulary slices;
+- RMSNorm and RoPE are the engine's C kernels (fast_kernels.py).
+Results agree with transformers' forward with the same attention to float rounding, not
+bitwise (tests/test_engine_hf.py: small models within 1e-5 on the logits; SmolLM2's
+sampled-token log-probs within 2.2e-5 of a fresh transformers forward). Any other
+architecture (or a sliding-window config) keeps transformers' forward.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from rollout.engines.hf.fast_kernels import gqa_attention_forward, rope_
+from rollout.engines.hf.fast_kernels import gqa_attention_forward, rms_norm, rope_
+from rollout.engines.hf.packed_linear import PackedLinears
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 VOCAB_SLICE = 1024
@@ -38,18 +41,17 @@ def supports(model) -> bool:
             and getattr(cfg, "pretraining_tp", 1) == 1)
 
 
-def _norm(norm, x: torch.Tensor) -> torch.Tensor:
+def _norm(norm, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    # The C kernel: one pass where torch's CPU RMSNorm is a composite of five ops, each
+    # dispatched with its own temporary (tiny-qwen3's 17 norms per decode step: ~40 -> ~5 us
+    # each, 10% of the step).
+    out = rms_norm(x, norm.weight, norm.variance_epsilon, out=x if inplace else None)
+    if out is not None:
+        return out
     if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
-        # torch's fused RMSNorm: the same float32 math as these architectures' RMSNorm
-        # modules (bitwise, tested), in one op instead of seven: 37 -> 24 us per call at
-        # decode shapes, a few percent of a small model's step.
         return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
     # The module's own forward (it upcasts), without nn.Module.__call__'s hook dispatch.
     return type(norm).forward(norm, x)
-
-
-def _linear(x: torch.Tensor, layer) -> torch.Tensor:
-    return F.linear(x, layer.weight, layer.bias)
 
 
 def _unpack(z: torch.Tensor, flat: torch.Tensor, b: int, t: int) -> torch.Tensor:
@@ -90,6 +92,10 @@ class LeanForward:
         # The architecture's own RoPE function (they are the same for all three).
         self.apply_rope = sys.modules[type(model).__module__].apply_rotary_pos_emb
         self.silu = model.config.hidden_act == "silu"
+        self.matmuls = PackedLinears()
+
+    def _linear(self, x: torch.Tensor, layer) -> torch.Tensor:
+        return self.matmuls(x, layer.weight, layer.bias)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -126,11 +132,11 @@ class LeanForward:
             attn = layer.self_attn
             h = _norm(layer.input_layernorm, x)
             shape = (x.shape[0], n, -1, attn.head_dim)
-            q = _linear(h, attn.q_proj).view(shape)
-            k = _linear(h, attn.k_proj).view(shape)
-            v = _linear(h, attn.v_proj).view(shape).transpose(1, 2)
+            q = self._linear(h, attn.q_proj).view(shape)
+            k = self._linear(h, attn.k_proj).view(shape)
+            v = self._linear(h, attn.v_proj).view(shape).transpose(1, 2)
             if hasattr(attn, "q_norm"):  # Qwen3
-                q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
+                q, k = _norm(attn.q_norm, q, inplace=True), _norm(attn.k_norm, k, inplace=True)
             if rope_(q, k, cos, sin):  # in place, one pass
                 q, k = q.transpose(1, 2), k.transpose(1, 2)
             else:
@@ -149,12 +155,12 @@ class LeanForward:
                 out = out.reshape(b * t, -1)[flat][None]
             # In place where transformers allocates: same results, and on one core a fresh
             # prefill-sized tensor costs 3-4x an in-place pass over a warm one.
-            x.add_(_linear(out, attn.o_proj))
+            x.add_(self._linear(out, attn.o_proj))
             mlp = layer.mlp
             h = _norm(layer.post_attention_layernorm, x)
-            gate = _linear(h, mlp.gate_proj)
+            gate = self._linear(h, mlp.gate_proj)
             act = F.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)
-            x.add_(_linear(act.mul_(_linear(h, mlp.up_proj)), mlp.down_proj))
+            x.add_(self._linear(act.mul_(self._linear(h, mlp.up_proj)), mlp.down_proj))
         if flat is None:
             x = x[:, -1:]
         else:  # each row's last token is real: the ends of the rows' runs in packed order
@@ -162,13 +168,14 @@ class LeanForward:
         return self._logits(_norm(inner.norm, x)[:, -1]).float()
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The LM head over vocabulary slices: each slice's output stays in cache while its
-        weight rows stream past. Same results bitwise; SmolLM2 (49k vocab), batch 64:
-        48 vs 58 ms, a sixth of a decode step."""
+        """The LM head: one call on its packed weight (packed_linear.py); without one, over
+        vocabulary slices, each slice's output staying in cache while its weight rows
+        stream past (bitwise the same as one F.linear; SmolLM2's 49k vocab, batch 64: 48 vs
+        58 ms, a sixth of a decode step)."""
         head = self.model.lm_head
         vocab = head.weight.shape[0]
-        if vocab <= VOCAB_SLICE:
-            return _linear(x, head)
+        if vocab <= VOCAB_SLICE or self.matmuls.pack_for(x, head.weight) is not None:
+            return self._linear(x, head)
         out = x.new_empty(x.shape[0], vocab)
         for a in range(0, vocab, VOCAB_SLICE):
             bias = None if head.bias is None else head.bias[a:a + VOCAB_SLICE]

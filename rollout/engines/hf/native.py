@@ -1,5 +1,5 @@
-"""The engine's C kernels (decode attention, rotary embedding): built once per machine
-with the system C compiler, called through ctypes.
+"""The engine's C kernels (decode attention, rotary embedding, RMSNorm): built once per
+machine with the system C compiler, called through ctypes.
 
 Plain C with no torch headers, so a build takes about a second (a torch C++ extension
 takes a minute) and needs only ``cc``. The library lives in
@@ -90,5 +90,7 @@ def load() -> Optional[ctypes.CDLL]:
         lib.homegym_decode_attention.restype = ctypes.c_int
         lib.homegym_rope.argtypes = [ptr] * 3 + [i64] * 3
         lib.homegym_rope.restype = None
+        lib.homegym_rms_norm.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_float]
+        lib.homegym_rms_norm.restype = None
         _lib = lib
         return _lib

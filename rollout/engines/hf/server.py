@@ -598,7 +598,7 @@ class Server:
 
         def release():
             self.batcher.reset_batch("memory released")
-            self.batcher.prefix_cache.clear()
+            self.batcher.drop_weight_copies()
             if self.released_shapes is None:
                 shapes = {}
                 for n, p in self.model.named_parameters():

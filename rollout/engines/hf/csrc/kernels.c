@@ -43,16 +43,105 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return acc;
 }
 
+/* The transposed sum of four vectors: lane i of the result is the sum of the lanes of
+ * a_i, for i < 4 (each level adds neighbouring pairs; 6 shuffles + 4 adds for 4 sums where
+ * four scalar reductions take 28 adds). */
+#if defined(__clang__)
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t v8i __attribute__((vector_size(32)));
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+static inline v8f sum4(v8f a0, v8f a1, v8f a2, v8f a3) {
+    v8f u = SHUF(a0, a1, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a0, a1, 1, 9, 3, 11, 5, 13, 7, 15);
+    v8f w = SHUF(a2, a3, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a2, a3, 1, 9, 3, 11, 5, 13, 7, 15);
+    v8f z = SHUF(u, w, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(u, w, 2, 3, 10, 11, 6, 7, 14, 15);
+    return z + SHUF(z, z, 4, 5, 6, 7, 0, 1, 2, 3);  /* lanes 0-3 */
+}
+
+/* One row's KV head for a head dim DV * 8 known at compile time (inlined per size), so the
+ * query chunks and output accumulators live in registers:
+ * scores: four columns at a time, each K column read from memory once per query head and
+ * the four dot products summed together (sum4); softmax; probs @ V with the output in
+ * registers and the 1 / sum applied once at the end. */
+static inline __attribute__((always_inline)) void attend_fixed(
+        const float *qh, const float *kb, const float *vb, const float *mrow,
+        const int32_t *cols, int64_t n, int64_t G, int64_t skt, int64_t svt, float scale,
+        float *scores, float *oh, const int DV) {
+    for (int64_t g = 0; g < G; g++) {
+        const v8f *qg = (const v8f *)(qh + g * DV * 8);
+        float *sg = scores + g * n;
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) {
+            const v8f *k0 = (const v8f *)(kb + cols[j] * skt), *k1 = (const v8f *)(kb + cols[j + 1] * skt);
+            const v8f *k2 = (const v8f *)(kb + cols[j + 2] * skt), *k3 = (const v8f *)(kb + cols[j + 3] * skt);
+            v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+#pragma GCC unroll 16
+            for (int c = 0; c < DV; c++) {
+                const v8f qc = qg[c];
+                a0 += qc * k0[c]; a1 += qc * k1[c]; a2 += qc * k2[c]; a3 += qc * k3[c];
+            }
+            const v8f r = sum4(a0, a1, a2, a3);
+            for (int i = 0; i < 4; i++) sg[j + i] = r[i] * scale + mrow[cols[j + i]];
+        }
+        for (; j < n; j++) sg[j] = dot(qh + g * DV * 8, kb + cols[j] * skt, DV * 8) * scale + mrow[cols[j]];
+        float m = -FLT_MAX, sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) m = sg[i] > m ? sg[i] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; i++) {
+            sg[i] = expf(sg[i] - m);
+            sum += sg[i];
+        }
+        v8f acc[16];  /* DV <= 16 */
+        for (int c = 0; c < DV; c++) acc[c] = (v8f){0};
+        for (int64_t i = 0; i < n; i++) {
+            const v8f *vt = (const v8f *)(vb + cols[i] * svt);
+            const float p = sg[i];
+#pragma GCC unroll 16
+            for (int c = 0; c < DV; c++) acc[c] += p * vt[c];
+        }
+        const float inv = 1.0f / sum;
+        v8f *o = (v8f *)(oh + g * DV * 8);
+        for (int c = 0; c < DV; c++) o[c] = acc[c] * inv;
+    }
+}
+
+/* Any head dim: the same math, one column and head at a time. */
+static void attend_any(const float *qh, const float *kb, const float *vb, const float *mrow,
+                       const int32_t *cols, int64_t n, int64_t G, int64_t D, int64_t skt,
+                       int64_t svt, float scale, float *scores, float *oh) {
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = scores + g * n, m = -FLT_MAX, sum = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            sg[j] = dot(qh + g * D, kb + cols[j] * skt, D) * scale + mrow[cols[j]];
+            m = sg[j] > m ? sg[j] : m;
+        }
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; j++) {
+            sg[j] = expf(sg[j] - m);
+            sum += sg[j];
+        }
+        float *o = oh + g * D;
+        memset(o, 0, sizeof(float) * (size_t)D);
+        for (int64_t j = 0; j < n; j++) {
+            const float *vt = vb + (int64_t)cols[j] * svt, p = sg[j];
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) o[d] += p * vt[d];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+    }
+}
+
 int homegym_decode_attention(const float *q, const float *k, const float *v, const float *mask,
                              float *out, int64_t B, int64_t Hkv, int64_t G, int64_t T, int64_t D,
                              int64_t skb, int64_t skh, int64_t skt, int64_t svb, int64_t svh,
                              int64_t svt, int64_t smb, float scale, float skip_below) {
     float *scores = malloc(sizeof(float) * (size_t)(G * T));
     int32_t *cols = malloc(sizeof(int32_t) * (size_t)T);
-    float *maxs = malloc(sizeof(float) * (size_t)G);
-    float *sums = malloc(sizeof(float) * (size_t)G);
-    if (!scores || !cols || !maxs || !sums) {
-        free(scores); free(cols); free(maxs); free(sums);
+    if (!scores || !cols) {
+        free(scores); free(cols);
         return 1;
     }
     for (int64_t b = 0; b < B; b++) {
@@ -64,43 +153,17 @@ int homegym_decode_attention(const float *q, const float *k, const float *v, con
             const float *kb = k + b * skb + h * skh, *vb = v + b * svb + h * svh;
             const float *qh = q + (b * Hkv + h) * G * D;
             float *oh = out + (b * Hkv + h) * G * D;
-            for (int64_t g = 0; g < G; g++) maxs[g] = -FLT_MAX;
-            for (int64_t j = 0; j < n; j++) {
-                const int64_t t = cols[j];
-                const float *kt = kb + t * skt;
-                for (int64_t g = 0; g < G; g++) {
-                    float s = dot(qh + g * D, kt, D) * scale + mrow[t];
-                    scores[g * T + j] = s;
-                    if (s > maxs[g]) maxs[g] = s;
-                }
-            }
-            for (int64_t g = 0; g < G; g++) {
-                float *sg = scores + g * T, m = maxs[g], sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t j = 0; j < n; j++) {
-                    sg[j] = expf(sg[j] - m);
-                    sum += sg[j];
-                }
-                sums[g] = sum;
-            }
-            for (int64_t g = 0; g < G; g++) {
-                float *sg = scores + g * T, inv = 1.0f / sums[g];
-#pragma omp simd
-                for (int64_t j = 0; j < n; j++) sg[j] *= inv;
-            }
-            memset(oh, 0, sizeof(float) * (size_t)(G * D));
-            for (int64_t j = 0; j < n; j++) {
-                const float *vt = vb + (int64_t)cols[j] * svt;
-                for (int64_t g = 0; g < G; g++) {
-                    const float p = scores[g * T + j];
-                    float *o = oh + g * D;
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) o[d] += p * vt[d];
-                }
-            }
+            if (D == 32)
+                attend_fixed(qh, kb, vb, mrow, cols, n, G, skt, svt, scale, scores, oh, 4);
+            else if (D == 64)
+                attend_fixed(qh, kb, vb, mrow, cols, n, G, skt, svt, scale, scores, oh, 8);
+            else if (D == 128)
+                attend_fixed(qh, kb, vb, mrow, cols, n, G, skt, svt, scale, scores, oh, 16);
+            else
+                attend_any(qh, kb, vb, mrow, cols, n, G, D, skt, svt, scale, scores, oh);
         }
     }
-    free(scores); free(cols); free(maxs); free(sums);
+    free(scores); free(cols);
     return 0;
 }
 
@@ -129,3 +192,20 @@ void homegym_rope(float *x, const float *cos, const float *sin, int64_t M, int64
     }
 }
 #pragma GCC pop_options
+
+/* RMSNorm over the last dim of x [M, D], float32, as the Llama family computes it:
+ * out = w * (x * (1 / sqrt(mean(x^2) + eps))). out may be x (in place). One pass per row
+ * where torch's CPU composite runs five ops (pow, mean, add, rsqrt, two muls), each with
+ * its own dispatch and temporary: that overhead is most of a small model's norm. */
+void homegym_rms_norm(const float *x, const float *w, float *out, int64_t M, int64_t D,
+                      float eps) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * D;
+        float *o = out + m * D, ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < D; i++) ss += xr[i] * xr[i];
+        const float r = 1.0f / sqrtf(ss / (float)D + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < D; i++) o[i] = w[i] * (xr[i] * r);
+    }
+}
