@@ -43,8 +43,8 @@ def supports(model) -> bool:
 
 def _norm(norm, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     # The C kernel: one pass where torch's CPU RMSNorm is a composite of five ops, each
-    # dispatched with its own temporary (tiny-qwen3's 17 norms per decode step: ~40 -> ~5 us
-    # each, 10% of the step).
+    # dispatched with its own temporary (tiny-qwen3's 17 norms per decode step: 15-16 -> 5-6
+    # us each, ~5% of the step; SmolLM2's width 576: 25 -> 12 us).
     out = rms_norm(x, norm.weight, norm.variance_epsilon, out=x if inplace else None)
     if out is not None:
         return out

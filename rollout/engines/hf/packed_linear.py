@@ -11,7 +11,7 @@ different summation order: ~5e-6 on unit-scale outputs), not bitwise.
 A packed copy is made on first use and kept while the weight is unchanged: the key is the
 weight's storage address, shape and version counter, which every in-place write bumps
 (the engine's weight updates copy into the parameters), so an update repacks lazily on the
-next forward (SmolLM2: ~0.5 s for all 135M weights). It doubles the memory of the packed
+next forward (SmolLM2: ~0.3 s for all 135M weights). It doubles the memory of the packed
 weights; ``clear()`` frees them (the engine calls it before releasing memory).
 
 Small matmuls keep ``F.linear``: oneDNN's per-call overhead (~10 us) outweighs its gain
