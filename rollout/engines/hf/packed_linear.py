@@ -61,8 +61,8 @@ def available() -> bool:
 class PackedLinears:
     """``F.linear(x, weight, bias)`` that runs packed copies of the large float32 weights."""
 
-    def __init__(self, enabled: Optional[bool] = None):
-        self.enabled = available() if enabled is None else enabled
+    def __init__(self):
+        self.enabled = available()
         self._packs: dict[int, tuple[tuple, torch.Tensor]] = {}  # id(weight) -> (key, packed)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
