@@ -59,6 +59,19 @@ static inline v8f sum4(v8f a0, v8f a1, v8f a2, v8f a3) {
     return z + SHUF(z, z, 4, 5, 6, 7, 0, 1, 2, 3);  /* lanes 0-3 */
 }
 
+/* Softmax's numerator in place, s[i] = exp(s[i] - max(s)); returns its sum (the
+ * normalization is applied to the output, once). */
+static inline float exp_shifted(float *s, int64_t n) {
+    float m = -FLT_MAX, sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++) {
+        s[i] = expf(s[i] - m);
+        sum += s[i];
+    }
+    return sum;
+}
+
 /* One row's KV head for a head dim DV * 8 known at compile time (inlined per size), so the
  * query chunks and output accumulators live in registers:
  * scores: four columns at a time, each K column read from memory once per query head and
@@ -85,13 +98,7 @@ static inline __attribute__((always_inline)) void attend_fixed(
             for (int i = 0; i < 4; i++) sg[j + i] = r[i] * scale + mrow[cols[j + i]];
         }
         for (; j < n; j++) sg[j] = dot(qh + g * DV * 8, kb + cols[j] * skt, DV * 8) * scale + mrow[cols[j]];
-        float m = -FLT_MAX, sum = 0.0f;
-        for (int64_t i = 0; i < n; i++) m = sg[i] > m ? sg[i] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; i++) {
-            sg[i] = expf(sg[i] - m);
-            sum += sg[i];
-        }
+        const float sum = exp_shifted(sg, n);
         v8f acc[16];  /* DV <= 16 */
         for (int c = 0; c < DV; c++) acc[c] = (v8f){0};
         for (int64_t i = 0; i < n; i++) {
@@ -111,16 +118,10 @@ static void attend_any(const float *qh, const float *kb, const float *vb, const 
                        const int32_t *cols, int64_t n, int64_t G, int64_t D, int64_t skt,
                        int64_t svt, float scale, float *scores, float *oh) {
     for (int64_t g = 0; g < G; g++) {
-        float *sg = scores + g * n, m = -FLT_MAX, sum = 0.0f;
-        for (int64_t j = 0; j < n; j++) {
+        float *sg = scores + g * n;
+        for (int64_t j = 0; j < n; j++)
             sg[j] = dot(qh + g * D, kb + cols[j] * skt, D) * scale + mrow[cols[j]];
-            m = sg[j] > m ? sg[j] : m;
-        }
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; j++) {
-            sg[j] = expf(sg[j] - m);
-            sum += sg[j];
-        }
+        const float sum = exp_shifted(sg, n);
         float *o = oh + g * D;
         memset(o, 0, sizeof(float) * (size_t)D);
         for (int64_t j = 0; j < n; j++) {
