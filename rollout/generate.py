@@ -22,6 +22,7 @@ from typing import Any, Optional, Protocol
 
 import aiohttp
 
+from rollout.engines.client import EngineError
 from rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -33,10 +34,6 @@ logger = logging.getLogger(__name__)
 _SESSIONS: dict[int, aiohttp.ClientSession] = {}
 # Transient failures: worth a retry with backoff (engine restarting, router re-registering).
 _RETRY_STATUS = {502, 503, 504}
-
-
-class EngineError(RuntimeError):
-    """An engine or router answered with an error, or stayed unreachable."""
 
 
 class _AbortSwitch:

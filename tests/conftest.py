@@ -38,3 +38,12 @@ def ray_local():
              _temp_dir=tmp)
     yield ray
     ray.shutdown()
+
+
+def push_tensors(client, named_tensors, version=None) -> dict:
+    """Load (name, tensor) pairs into one engine through SGLang's own tensor route, in
+    SGLang's payload format (what the training ranks send)."""
+    from rollout.engines.weights_io import serialize_for_sglang
+
+    payloads, load_format = serialize_for_sglang(list(named_tensors))
+    return client.update_weights_from_tensor(payloads, load_format=load_format, version=version)

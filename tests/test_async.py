@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -74,8 +75,8 @@ def test_update_mid_generation_is_recorded_per_request(ray_local, tiny_model_pat
     """Two buckets land while a long request decodes. Unpaused, the request's forward
     passes ran on half-updated weights and the engine says so ("+partial"); paused in
     place, the update is atomic between passes and only the two full versions appear."""
+    from conftest import push_tensors
     from rollout.engines.group import EngineGroup
-    from trainer.weights import bucket_checksum
     from transformers import AutoModelForCausalLM
 
     config = compose_config("rollout.num_engines=1")
@@ -94,16 +95,20 @@ def test_update_mid_generation_is_recorded_per_request(ray_local, tiny_model_pat
 
         thread = threading.Thread(target=long_request)
         thread.start()
+        deadline = time.monotonic() + 60
         while not any(info.get("num_running_reqs") for info in engines.server_infos()):
-            pass  # the request is decoding
+            assert time.monotonic() < deadline, "the request never started decoding"
+            time.sleep(0.005)
         if pause:
             engines.pause_generation(mode="in_place")
-        engines.update_weights_from_tensor(buckets[0], version=None, checksum=bucket_checksum(buckets[0]))
+        client = engines.clients[0]
+        push_tensors(client, buckets[0])
         if not pause:  # let at least one decode step run on the half-updated weights
             steps = engines.server_infos()[0]["decode_steps"]
             while engines.server_infos()[0]["decode_steps"] == steps:
-                pass
-        engines.update_weights_from_tensor(buckets[1], version=1, checksum=bucket_checksum(buckets[1]))
+                assert time.monotonic() < deadline, "no decode step after the first bucket"
+                time.sleep(0.002)
+        push_tensors(client, buckets[1], version=1)
         if pause:
             engines.continue_generation()
         thread.join(timeout=120)

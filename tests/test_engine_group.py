@@ -8,7 +8,8 @@ import ray
 import requests
 import torch
 
-from rollout.engines import EngineGroup, checksum
+from conftest import push_tensors
+from rollout.engines import EngineGroup
 from trainer.config import HomegymConfig, RolloutConfig
 
 pytestmark = pytest.mark.slow
@@ -36,15 +37,20 @@ def test_group_serves_through_router_and_syncs_weights(group, tiny_model_path):
     before = gen(group.router_url)
     from transformers import AutoModelForCausalLM
     sd = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
-    named = [("model.norm.weight", torch.full_like(sd["model.norm.weight"], 3.0))]
-    group.update_weights_from_tensor(named, version="7", checksum=checksum(t for _, t in named))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    new = torch.randn_like(sd[name])  # non-uniform, and not tied to the output layer
+    for client in group.clients:
+        push_tensors(client, [(name, new)], version="7")
     assert group.weight_versions() == ["7", "7"]
+    for client in group.clients:  # every engine holds exactly the pushed values
+        assert torch.equal(torch.tensor(client.get_weights_by_name(name, 10 ** 6)), new)
     outs = [gen(group.router_url) for _ in range(4)]  # round-robin: both engines answer
     assert {o["meta_info"]["weight_version"] for o in outs} == {"7"}
     group.pause_generation()
     group.continue_generation()
     group.abort_all()
-    group.update_weights_from_tensor([("model.norm.weight", sd["model.norm.weight"])], version="8")
+    for client in group.clients:
+        push_tensors(client, [(name, sd[name])], version="8")
     assert gen(group.router_url)["output_ids"] == before["output_ids"]
 
 

@@ -8,7 +8,9 @@ import pytest
 import requests
 import torch
 
-from rollout.engines import EngineServer, HFLaunch, MultiprocessingSerializer, checksum
+from conftest import push_tensors
+from rollout.engines import (PINNED_SGLANG_VERSION, EngineError, EngineServer, HFLaunch,
+                             MultiprocessingSerializer)
 from rollout.engines.weights_io import init_custom_process_group
 
 CTX = 256
@@ -139,7 +141,7 @@ def test_abort_returns_partial_tokens(engine):
     with ThreadPoolExecutor(2) as pool:
         fut = pool.submit(gen, engine, long)
         deadline = time.monotonic() + 10
-        while engine.server_info()["num_running_reqs"] == 0 and time.monotonic() < deadline:
+        while engine.client.server_info()["num_running_reqs"] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         requests.post(engine.url + "/abort_request", json={"rid": "long-1"}, timeout=10)
         out = fut.result()
@@ -148,9 +150,9 @@ def test_abort_returns_partial_tokens(engine):
     with ThreadPoolExecutor(3) as pool:
         futs = [pool.submit(gen, engine, dict(long, rid=f"x{i}")) for i in range(3)]
         deadline = time.monotonic() + 10
-        while engine.server_info()["num_running_reqs"] < 3 and time.monotonic() < deadline:
+        while engine.client.server_info()["num_running_reqs"] < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
-        engine.abort_all()
+        engine.client.abort_all()
         assert {f.result()["meta_info"]["finish_reason"]["type"] for f in futs} == {"abort"}
 
 
@@ -196,38 +198,50 @@ def _get(engine, name):
                                       json={"name": name, "truncate_size": 10 ** 6}, timeout=30).json())
 
 
-def test_update_weights_from_tensor_with_checksum(engine, ref_model):
-    name = "model.norm.weight"
+def test_update_weights_from_tensor(engine, ref_model):
+    name = "model.layers.0.mlp.up_proj.weight"
     old = _get(engine, name)
-    new = torch.full_like(old, 0.5)
+    new = torch.randn_like(old)  # non-uniform: a transposed or partial load would not match
     payload = MultiprocessingSerializer.serialize([(name, new)], output_str=True)
+    # Keys SGLang does not know are ignored, as a real server ignores them.
     r = requests.post(engine.url + "/update_weights_from_tensor", json={
         "serialized_named_tensors": [payload], "load_format": None, "flush_cache": True,
-        "weight_version": "v-bad", "checksum": checksum([new]) + 1.0}, timeout=30)
-    assert r.status_code == 400 and "checksum" in r.json()["message"]
-    assert engine.weight_version() != "v-bad" and torch.equal(_get(engine, name), old)
-    engine.update_weights_from_tensor([(name, new)], version="v1", checksum=checksum([new]))
-    assert engine.weight_version() == "v1" and torch.equal(_get(engine, name), new)
+        "weight_version": "v1", "checksum": 1.0, "no_such_key": [1]}, timeout=30)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert engine.client.weight_version() == "v1" and torch.equal(_get(engine, name), new)
     out = gen(engine, {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}})
     assert out["meta_info"]["weight_version"] == "v1"
-    # Unknown names / wrong shapes are rejected as a whole.
-    with pytest.raises(Exception, match="unknown parameter"):
-        engine.update_weights_from_tensor([("nope", new)], version="v2")
-    engine.update_weights_from_tensor([(name, old)], version="default")
+    # Unknown names / wrong shapes are rejected as a whole, old weights kept.
+    with pytest.raises(EngineError, match="unknown parameter"):
+        push_tensors(engine.client, [(name, old), ("nope", new)], version="v2")
+    with pytest.raises(EngineError, match="shape mismatch"):
+        push_tensors(engine.client, [(name, old[:1])], version="v2")
+    assert engine.client.weight_version() == "v1" and torch.equal(_get(engine, name), new)
+    push_tensors(engine.client, [(name, old)], version="default")
+
+
+def test_version_and_contract_answers(engine):
+    assert engine.client.version() == PINNED_SGLANG_VERSION
+    assert not engine.client.uses_weight_update_sessions
+    r = requests.get(engine.url + "/get_weight_version", timeout=10)
+    assert r.status_code == 404 and "/model_info" in r.json()["error"]["message"]
+    assert requests.get(engine.url + "/model_info", timeout=10).json()["weight_version"]
+    r = requests.post(engine.url + "/begin_weight_update", json={}, timeout=10)
+    assert r.status_code == 404  # 0.5.18 has no weight-update sessions
+    r = requests.post(engine.url + "/get_weights_by_name", json={"name": "nope"}, timeout=10)
+    assert r.status_code == 400
 
 
 def test_update_weights_from_disk(engine, ref_model, tmp_path):
     sd = {k: v.clone() for k, v in ref_model.state_dict().items()}
-    sd["model.norm.weight"].fill_(0.25)
+    sd["model.norm.weight"] = torch.rand_like(sd["model.norm.weight"])
     from safetensors.torch import save_file
     save_file({k: v.contiguous() for k, v in sd.items() if k != "lm_head.weight"},
               str(tmp_path / "model.safetensors"))
-    engine.update_weights_from_disk(str(tmp_path), version="disk-1")
-    assert engine.weight_version() == "disk-1"
-    assert torch.all(_get(engine, "model.norm.weight") == 0.25)
-    restored = {k: v for k, v in ref_model.state_dict().items()}
-    engine.update_weights_from_tensor(list(restored.items()), version="default",
-                                      checksum=checksum(restored.values()))
+    engine.client.update_weights_from_disk(str(tmp_path), version="disk-1")
+    assert engine.client.weight_version() == "disk-1"
+    assert torch.equal(_get(engine, "model.norm.weight"), sd["model.norm.weight"])
+    push_tensors(engine.client, ref_model.state_dict().items(), version="default")
 
 
 def test_update_weights_from_distributed(engine, ref_model):
@@ -235,7 +249,7 @@ def test_update_weights_from_distributed(engine, ref_model):
 
     port = free_port()
     results = {}
-    t = threading.Thread(target=lambda: results.update(init=engine.init_weights_update_group(
+    t = threading.Thread(target=lambda: results.update(init=engine.client.init_weights_update_group(
         "127.0.0.1", port, 1, 2, "wu-test", "gloo")))
     t.start()
     pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "wu-test")
@@ -244,25 +258,18 @@ def test_update_weights_from_distributed(engine, ref_model):
     names = ["model.norm.weight", "model.layers.0.mlp.up_proj.weight"]
     sd = ref_model.state_dict()
     tensors = [torch.randn_like(sd[n]) for n in names]
-
-    def send(version, sent_checksum):
-        out = {}
-        th = threading.Thread(target=lambda: out.update(r=_safe(lambda: engine.update_weights_from_distributed(
-            names, [t.dtype for t in tensors], [t.shape for t in tensors], "wu-test", version,
-            sent_checksum))))
-        th.start()
-        for tensor in tensors:
-            torch.distributed.broadcast(tensor, src=0, group=pg)
-        th.join(30)
-        return out["r"]
-
-    bad = send("d-bad", checksum(tensors) + 5)
-    assert isinstance(bad, Exception) and "checksum" in str(bad)
-    assert engine.weight_version() != "d-bad"
-    ok = send("d1", checksum(tensors))
-    assert ok["success"] and engine.weight_version() == "d1"
-    assert torch.equal(_get(engine, names[0]), tensors[0])
-    engine.update_weights_from_tensor([(n, sd[n]) for n in names], version="default")
+    out = {}
+    th = threading.Thread(target=lambda: out.update(r=_safe(
+        lambda: engine.client.update_weights_from_distributed(
+            names, [t.dtype for t in tensors], [t.shape for t in tensors],
+            group_name="wu-test", version="d1"))))
+    th.start()
+    for tensor in tensors:
+        torch.distributed.broadcast(tensor, src=0, group=pg)
+    th.join(30)
+    assert out["r"]["success"] and engine.client.weight_version() == "d1"
+    assert all(torch.equal(_get(engine, n), t) for n, t in zip(names, tensors))
+    push_tensors(engine.client, [(n, sd[n]) for n in names], version="default")
 
 
 def _safe(fn):
@@ -273,20 +280,29 @@ def _safe(fn):
 
 
 def test_pause_continue_release_resume(engine, ref_model):
-    engine.pause_generation(mode="in_place")
+    engine.client.pause_generation(mode="in_place")
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(gen, engine, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
         time.sleep(0.3)  # negative check: a paused engine must not finish it
         assert not fut.done()
-        engine.continue_generation()
+        # Busy (a paused request is pending): no flush, no release (SGLang's rules).
+        r = requests.get(engine.url + "/flush_cache", timeout=10)
+        assert r.status_code == 400
+        with pytest.raises(EngineError, match="idle"):
+            engine.client.release_memory()
+        engine.client.continue_generation()
         assert fut.result()["meta_info"]["finish_reason"]["type"] == "length"
-    engine.release_memory()
-    engine.resume_memory()
-    # Resumed weights are allocated but empty until the trainer pushes weights.
+    engine.client.release_memory()
+    engine.client.resume_memory(["weights"])
+    # Resumed weights are allocated but empty until the trainer pushes weights, and the
+    # KV cache is still released: no generation either way.
     r = requests.post(engine.url + "/generate", json={"input_ids": [1, 2]}, timeout=10)
-    assert r.status_code == 503 and "weights" in r.json()["error"]["message"]
+    assert r.status_code == 503 and "resume" in r.json()["error"]["message"]
     sd = ref_model.state_dict()
-    engine.update_weights_from_tensor(list(sd.items()), version="after-resume")
+    push_tensors(engine.client, sd.items(), version="after-resume")
+    r = requests.post(engine.url + "/generate", json={"input_ids": [1, 2]}, timeout=10)
+    assert r.status_code == 503
+    engine.client.resume_memory(["kv_cache", "cuda_graph"])
     out = gen(engine, {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
     assert out["meta_info"]["weight_version"] == "after-resume"
 
@@ -301,7 +317,7 @@ def test_api_key(tiny_model_path, tmp_path):
         assert r.status_code == 401
         r = requests.get(eng.url + "/get_model_info", headers={"Authorization": "Bearer wrong"}, timeout=10)
         assert r.status_code == 401
-        out = eng.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
+        out = eng.client.call("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
         assert len(out["output_ids"]) == 2
     finally:
         eng.shutdown()
@@ -311,7 +327,7 @@ def test_grpo_group_shares_prefill_and_prefix_cache(engine, ref_model):
     """n samples of one prompt (a GRPO group): the burst's prefill computes the prompt once
     for all rows, and samples that made the same first move each find the (shared) prefix
     KV on their next turn. Log-probs stay exact in both turns."""
-    engine.flush_cache()
+    engine.client.flush_cache()
     p = prompts(1, lo=30, hi=31, seed=5)[0]
 
     def turn(batch, new_tokens, temperature):
@@ -338,7 +354,7 @@ def test_grpo_group_shares_prefill_and_prefix_cache(engine, ref_model):
 def test_multiturn_prefix_cache_matches_fresh_forward(engine, ref_model):
     """Turn 2's prompt extends turn 1's sequence: its KV comes from the prefix cache, mixed
     in one prefill with rows of other cached lengths, and log-probs stay exact."""
-    engine.flush_cache()
+    engine.client.flush_cache()
     ps = prompts(6, lo=20, hi=70, seed=3)
 
     def turn(batch, new_tokens):
@@ -357,7 +373,7 @@ def test_multiturn_prefix_cache_matches_fresh_forward(engine, ref_model):
         assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
     # A weight update invalidates cached KV (it belongs to the old weights).
     sd = ref_model.state_dict()
-    engine.update_weights_from_tensor([("model.norm.weight", sd["model.norm.weight"])], version="default")
+    push_tensors(engine.client, [("model.norm.weight", sd["model.norm.weight"])], version="default")
     third = turn([second_prompts[0] + second[0]["output_ids"] + [5]], 2)
     assert third[0]["meta_info"]["cached_tokens"] == 0
 

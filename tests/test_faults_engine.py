@@ -48,7 +48,8 @@ def _weights(tiny_model_path, value):
     from safetensors.torch import load_file
 
     norm = load_file(os.path.join(tiny_model_path, "model.safetensors"))["model.norm.weight"]
-    return [("model.norm.weight", torch.full_like(norm, value))]
+    ramp = torch.linspace(0.5, 1.5, norm.numel()).reshape(norm.shape)  # non-uniform
+    return [("model.norm.weight", value * ramp)]
 
 
 def _rollout_while(cfg, router_url, fault):
@@ -65,20 +66,22 @@ def _rollout_while(cfg, router_url, fault):
 
 
 def test_engine_dies_mid_rollout_step_completes_and_engine_recovers(group, tiny_model_path):
-    from trainer.weights import WeightSync
+    from trainer.weights import WeightSync, send_weights
 
     cfg = config(num_engines=2, rollout_batch_size=4, n_samples_per_prompt=4,
                  max_response_len=LONG_TOKENS, sample_timeout_s=120.0,
                  custom_generate_function="test_faults_engine:long_generate",
                  custom_rm_function="test_faults_engine:constant_rm")
 
-    class Policy:  # the trainer side: hands out fresh weight buckets, like TrainGroup
-        def named_weight_buckets(self, bucket_bytes):
-            return [_weights(tiny_model_path, 2.0)]
+    class Policy:  # one training rank, in this process: the ranks' own send_weights
+        def send_weights(self, plan):
+            return send_weights([_weights(tiny_model_path, 2.0)], plan, rank=0, world_size=1)
+
+    sync = WeightSync(cfg, Policy(), group)
 
     def push_current(view):
         # The very push the driver makes (Runtime.recover_engines): WeightSync over a view.
-        WeightSync(cfg, Policy(), view).push(version=5)
+        sync.push(5, engines=view)
 
     push_current(group)
     assert group.weight_versions() == ["5", "5"]

@@ -52,7 +52,7 @@ def test_weight_sync_round_trip(ray_local, tiny_model_path):
     from rollout.engines.group import EngineGroup
     from rollout.sample import RolloutBatch
     from trainer.train_group import TrainGroup
-    from trainer.weights import WeightSync, WeightSyncError, bucket_checksum
+    from trainer.weights import WeightSync, WeightSyncError, _TensorSender
 
     config = compose_config("train.ranks_per_node=1", "rollout.num_engines=1")
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
@@ -92,10 +92,13 @@ def test_weight_sync_round_trip(ray_local, tiny_model_path):
         ids, after = engine_sample()
         assert torch.allclose(trainer_log_probs(ids), after, atol=1e-4)
 
-        bucket = group.named_weight_buckets(sync.bucket_bytes)[0]
-        with pytest.raises(Exception, match="checksum"):
-            engines.update_weights_from_tensor(bucket, version=2, checksum=bucket_checksum(bucket) + 1.0)
-        assert engines.weight_versions() == ["1"]
+        # The read-back check compares what the engine holds with what was sent.
+        sender = _TensorSender(sync.plan(1), rank=0, world_size=1)
+        held = group.named_weight_buckets(sync.bucket_bytes)[0]
+        norm = dict(held)["model.norm.weight"]
+        sender.verify({"model.norm.weight": norm[:4]})  # what the engine holds: passes
+        with pytest.raises(WeightSyncError, match="differs from what was pushed"):
+            sender.verify({"model.norm.weight": norm[:4] + 1e-3})
         # A verification that sees an engine on the wrong version fails loudly.
         with pytest.raises(WeightSyncError):
             sync.verify(version=2)

@@ -65,12 +65,21 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     # Threads per torch process; on small CPU boxes one thread per process is fastest.
     torch_threads: int = 1
+    # The GPU, for the start-up memory plan (trainer/memory_plan.py): H100 | H200 | A100 |
+    # A100-40GB; gpu_memory_gib (GiB per GPU), when set, is used instead of that table.
+    gpu_type: str = "H100"
+    gpu_memory_gib: Optional[float] = None
+    # Refuse at start-up a GPU layout whose planned peak exceeds GPU memory (false: print
+    # the plan and go ahead).
+    memory_check: bool = True
 
     def __post_init__(self) -> None:
         _one_of(self.device, "cluster.device", ("cpu", "cuda"))
         _check(self.num_nodes >= 1, "cluster.num_nodes", "must be >= 1")
         _check(self.gpus_per_node >= 0, "cluster.gpus_per_node", "must be >= 0")
         _check(self.torch_threads >= 1, "cluster.torch_threads", "must be >= 1")
+        if self.gpu_memory_gib is not None:
+            _check(self.gpu_memory_gib > 0, "cluster.gpu_memory_gib", "must be > 0")
         if self.device == "cuda":
             _check(
                 self.gpus_per_node >= 1,
@@ -82,7 +91,19 @@ class ClusterConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "hf"  # hf (CPU, homegym's own server) | sglang (GPU)
+    # hf: homegym's own CPU server. sglang: the real SGLang server (GPU; on CPU with
+    # cluster.device=cpu where the CPU has AVX-512 and AMX, serving bfloat16).
+    engine: str = "hf"
+    # The engines' dtype; null = model.dtype. SGLang's CPU backend serves bfloat16 only.
+    dtype: Optional[str] = None
+    # Interpreter that runs the SGLang server (it may live in its own venv, e.g. the one
+    # scripts/install_sglang_cpu.sh makes); null = this Python.
+    sglang_python: Optional[str] = None
+    # SGLang's --max-total-tokens (KV cache tokens); null = SGLang's own sizing on GPU,
+    # 65536 on CPU (SGLang would otherwise size it from free RAM).
+    sglang_max_total_tokens: Optional[int] = None
+    # Extra `sglang.launch_server` arguments, appended as given.
+    sglang_args: List[str] = field(default_factory=list)
     # Engines: on GPU derived from num_gpus / num_gpus_per_engine unless set; on CPU set.
     num_engines: Optional[int] = None
     # GPUs for inference. Colocated: must equal the training GPUs. Disaggregated: separate.
@@ -124,6 +145,8 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _one_of(self.engine, "rollout.engine", ("hf", "sglang"))
+        if self.dtype is not None:
+            _one_of(self.dtype, "rollout.dtype", ("float32", "bfloat16", "float16"))
         for key in ("rollout_batch_size", "n_samples_per_prompt", "max_response_len",
                     "max_concurrency", "num_gpus_per_engine"):
             _check(getattr(self, key) >= 1, f"rollout.{key}", "must be >= 1")
@@ -343,10 +366,14 @@ class HomegymConfig:
     def __post_init__(self) -> None:
         cluster, rollout, train = self.cluster, self.rollout, self.train
         if cluster.device == "cpu":
-            _check(rollout.engine == "hf", "rollout.engine",
-                   "must be hf when cluster.device=cpu (SGLang needs a GPU)")
             _check(rollout.num_engines is not None, "rollout.num_engines",
                    "must be set when cluster.device=cpu")
+            if rollout.engine == "sglang":
+                _check((rollout.dtype or self.model.dtype) == "bfloat16", "rollout.dtype",
+                       "must be bfloat16 with rollout.engine=sglang on cluster.device=cpu "
+                       "(SGLang's CPU kernels serve bfloat16 only)")
+                _check(rollout.num_gpus_per_engine == 1, "rollout.num_gpus_per_engine",
+                       "must be 1 with rollout.engine=sglang on cluster.device=cpu")
         else:
             train_gpus = train.world_size
             _check(train_gpus <= cluster.num_nodes * cluster.gpus_per_node, "train.ranks_per_node",

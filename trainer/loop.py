@@ -3,8 +3,8 @@
 Colocated (engines and training ranks share devices and take turns), per step:
 
     batch = rollout(step)                  # engines generate, environments score
-    engines.release_memory(); train(batch); engines.resume_memory()
-    push weights (version = step)          # engines generate from them at step + 1
+    engines.release_memory(); train(batch)
+    engines.resume_memory(weights); push weights (version = step); resume_memory(kv_cache)
 
 The run directory holds the resolved config, metrics.jsonl, wandb files, checkpoints and
 the base-vs-trained evaluation table.
@@ -26,12 +26,12 @@ from typing import Any, Iterator
 import ray
 from omegaconf import OmegaConf
 
-from trainer.checkpoint import CheckpointManager, export_hf, preflight_output_dir
+from trainer.checkpoint import CheckpointManager, preflight_output_dir
 from trainer.config import HomegymConfig, to_dict
+from trainer.memory_plan import check_memory
 from trainer.metrics import MetricsLogger, redact, timed, write_json
 from trainer.models import resolve_model_path
 from trainer.runtime import Runtime
-from trainer.weights import WeightSync
 
 log = logging.getLogger("homegym")
 
@@ -68,6 +68,7 @@ def estimate_checkpoint_bytes(config: HomegymConfig) -> int:
 
 
 def train(config: HomegymConfig) -> RunResult:
+    check_memory(config)  # a GPU layout that cannot fit stops here, before any GPU work
     run_dir = make_run_dir(config)
     preflight_output_dir(run_dir, min_free_bytes=estimate_checkpoint_bytes(config))
     OmegaConf.save(OmegaConf.create(redact(to_dict(config))), run_dir / "config.yaml")
@@ -83,10 +84,6 @@ class Driver:
         self.run_dir = run_dir
         self.rt = runtime
         self.ckpt = CheckpointManager(run_dir)
-        # Colocated engines share the trainer's host and take turns: hand tensors over in
-        # memory. Disaggregated engines keep running: broadcast over a process group.
-        self.sync = WeightSync(config, runtime.train_group, runtime.engines,
-                               mode="tensor" if config.cluster.colocate else "distributed")
         self._pipeline: RolloutPipeline | None = None
         self._prefetched: list[tuple[int, Any]] = []  # restored from a checkpoint
         self.logger: MetricsLogger | None = None
@@ -155,8 +152,11 @@ class Driver:
                     rt.train_group.onload()
                     metrics.update(self.train(step, batch))
                     rt.train_group.offload()
-                    rt.engines.resume_memory()
+                    # Weights first, then the push, then the KV cache and CUDA graphs: the
+                    # push never competes with the KV cache for the memory training freed.
+                    rt.engines.resume_memory(["weights"])
                     metrics.update(self.push_weights(step))
+                    rt.engines.resume_memory(["kv_cache", "cuda_graph"])
             yield step, {**batch.metrics, **metrics}
 
     def async_steps(self, start_step: int) -> Iterator[tuple[int, dict[str, float]]]:
@@ -193,7 +193,7 @@ class Driver:
             self._pipeline = None
 
     def push_weights(self, version: int) -> dict[str, float]:
-        metrics = self.sync.push(version=version)
+        metrics = self.rt.weights.push(version)
         self.policy_version = version
         return metrics
 
@@ -282,8 +282,7 @@ class Driver:
         model_dir = resolve_model_path(self.config.model.path, self.config.model.cache_dir)
         path = self.ckpt.save(
             step, save_train=lambda d: rt.train_group.save(str(d)),
-            export_hf=lambda d: export_hf(
-                rt.train_group.named_weight_buckets(self.sync.bucket_bytes), model_dir, d),
+            export_hf=lambda d: rt.train_group.export_hf(d, model_dir, self.rt.weights.bucket_bytes),
             rollout_state=state, meta={"policy_version": step, "evals": self.evals})
         print(f"checkpoint: {path}", flush=True)
         return path

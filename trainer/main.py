@@ -38,7 +38,7 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     try:
         run(config)
-    except CheckpointError as err:
+    except (CheckpointError, ConfigError) as err:
         print(f"homegym: {err}", file=sys.stderr)
         sys.exit(2)
 

@@ -100,6 +100,7 @@ class Runtime:
         self.placement = None
         self.engines = None
         self.train_group = None
+        self.weights = None  # trainer.weights.WeightSync, the run's one
         self.manager = None
         self._started_ray = False
         self._old_handlers: dict = {}
@@ -115,6 +116,7 @@ class Runtime:
         from rollout.manager import RolloutManager
         from trainer.placement import Placement
         from trainer.train_group import TrainGroup
+        from trainer.weights import WeightSync
 
         self._install_signal_handlers()
         try:
@@ -126,6 +128,11 @@ class Runtime:
             _progress(f"starting {self.config.train.world_size} {self.config.train.backend} "
                       "training ranks")
             self.train_group = TrainGroup(self.config, self.placement)
+            # Colocated engines share the trainer's host and take turns: hand tensors over
+            # in memory. Disaggregated engines keep running: broadcast over a group.
+            self.weights = WeightSync(self.config, self.train_group, self.engines,
+                                      mode="tensor" if self.config.cluster.colocate
+                                      else "distributed")
             self.manager = RolloutManager.remote(self.config, self.engines.router_url)
             _progress("ready")
         except BaseException:
@@ -145,12 +152,9 @@ class Runtime:
         a restarted engine then already serves the base model it loads at start-up).
         Call between rollouts -- the driver does so before each rollout and right after
         it, before any call that needs every engine (release_memory, weight push)."""
-        from trainer.weights import WeightSync
-
         def push(view) -> None:
             if policy_version is not None:
-                WeightSync(self.config, self.train_group, view, mode="tensor").push(
-                    version=policy_version)
+                self.weights.push(policy_version, engines=view)
 
         return self.engines.recover(push_weights=push)
 

@@ -72,43 +72,31 @@ class TrainActor:
             if self.rank == 0:
                 yield bucket
 
-    # ---- weight broadcast to running engines (disaggregated) ----------------------------
-    def init_weight_broadcast(self, master_address: str, master_port: int, world_size: int,
-                              group_name: str) -> None:
+    # ---- weights to the engines (trainer.weights) and to disk ----------------------------
+    def init_weight_broadcast(self, targets: list, group_name: str, backend: str) -> None:
         """Rank 0 joins the engines' weight-update group as its rank 0 (SGLang's protocol)."""
         if self.rank != 0:
             return
-        from rollout.engines.weights_io import init_custom_process_group
+        from trainer.weights import join_broadcast_group
 
-        backend = "nccl" if self.config.cluster.device == "cuda" else "gloo"
-        self._weight_group = init_custom_process_group(
-            backend, f"tcp://{master_address}:{master_port}", world_size, 0, group_name)
+        address, port = self.rendezvous_address()
+        self._weight_group = join_broadcast_group(targets, address, port, group_name, backend)
 
-    def stage_weights(self, bucket_bytes: int) -> Optional[list[dict]]:
-        """Gather the weights (collective) and keep them on rank 0 for `broadcast_staged`;
-        returns each bucket's names, dtypes, shapes, bytes and checksum."""
-        from rollout.engines.weights_io import checksum
+    def send_weights(self, plan) -> dict[str, float]:
+        """Stream this backend's weights to the engines of ``plan`` (trainer.weights.PushPlan)."""
+        from trainer.weights import send_weights
+
+        buckets = self.backend.named_weight_buckets(plan.bucket_bytes, device=plan.device)
+        return send_weights(buckets, plan, rank=self.rank, world_size=self.world_size,
+                            weight_group=getattr(self, "_weight_group", None))
+
+    def export_hf(self, out_dir: str, source_dir: str, bucket_bytes: int) -> None:
+        """Rank 0 writes the policy as a HF checkpoint (every rank takes part in the gathers)."""
+        from trainer.checkpoint import export_hf
 
         buckets = list(self.backend.named_weight_buckets(bucket_bytes))
-        if self.rank != 0:
-            return None
-        self._staged = buckets
-        return [{"names": [n for n, _ in b],
-                 "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in b],
-                 "shapes": [list(t.shape) for _, t in b],
-                 "bytes": sum(t.numel() * t.element_size() for _, t in b),
-                 "checksum": checksum(t for _, t in b)} for b in buckets]
-
-    def broadcast_staged(self) -> None:
-        """Broadcast the staged tensors, bucket by bucket, in the order `stage_weights` listed."""
-        import torch.distributed as dist
-
-        if self.rank != 0:
-            return
-        for bucket in self._staged:
-            for _, tensor in bucket:
-                dist.broadcast(tensor.contiguous(), src=0, group=self._weight_group)
-        self._staged = None
+        if self.rank == 0:
+            export_hf(buckets, source_dir, out_dir)
 
     def save(self, path: str) -> None:
         self.backend.save(path)
@@ -192,21 +180,21 @@ class TrainGroup:
                 for ref in stream:
                     ray.get(ref)
 
-    # Weight broadcast to running engines: the driver interleaves these with the engines'
-    # own calls, so the ones that block on the other side return Ray refs.
-    def weight_rendezvous(self) -> tuple[str, int]:
-        return ray.get(self.actors[0].rendezvous_address.remote())
+    def init_weight_broadcast(self, targets: list, group_name: str, backend: str) -> None:
+        """Rank 0 and the engines form the broadcast group of the distributed weight path."""
+        ray.get(self.actors[0].init_weight_broadcast.remote(targets, group_name, backend))
 
-    def init_weight_broadcast(self, master_address: str, master_port: int, world_size: int,
-                              group_name: str):
-        return self.actors[0].init_weight_broadcast.remote(master_address, master_port,
-                                                           world_size, group_name)
+    def send_weights(self, plan) -> dict[str, float]:
+        """Every rank streams its share of ``plan`` to the engines; rank 0's metrics (the
+        model's bytes and buckets) plus the tensors read back on every rank."""
+        results = self._all("send_weights", plan)
+        metrics = dict(results[0])
+        metrics["perf/weight_sync_checked_tensors"] = sum(
+            r["perf/weight_sync_checked_tensors"] for r in results)
+        return metrics
 
-    def stage_weights(self, bucket_bytes: int) -> list[dict]:
-        return self._all("stage_weights", bucket_bytes)[0]
-
-    def broadcast_staged(self):
-        return self.actors[0].broadcast_staged.remote()
+    def export_hf(self, out_dir: str, source_dir: str, bucket_bytes: int) -> None:
+        self._all("export_hf", str(out_dir), source_dir, bucket_bytes)
 
     def save(self, path: str) -> None:
         self._all("save", path)

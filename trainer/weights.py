@@ -1,41 +1,78 @@
 """Weight sync from the training ranks to the inference engines: bucketed, versioned, verified.
 
-Each bucket travels with a checksum (the float64 sum of its tensors) that the engine
-recomputes on what it received; a mismatch is rejected by the engine and raised here, and
-the engine keeps its old weights. The version is attached to the last bucket only, so an
-engine that reports the new version has loaded every bucket; `push` then checks that every
-engine reports it. Paths:
-- ``tensor``: same host (colocated): tensors handed over through shared memory, SGLang's
-  `update_weights_from_tensor` (CUDA IPC on GPU).
-- ``distributed``: the trainer's rank 0 broadcasts over a torch.distributed group the
-  engines joined (`init_weights_update_group` + `update_weights_from_distributed`; gloo on
-  CPU, NCCL on GPU). For disaggregated engines on other GPUs or nodes.
+The driver only decides *when* and *what version* (``WeightSync.push``); the tensors go
+from the training ranks straight to the engines (``send_weights`` runs on every rank), so
+no process ever holds a second full copy of the model and nothing passes through the
+driver. Two paths, both SGLang's own routes:
+- ``tensor`` (colocated: engine and rank share a device): each engine TP rank gets a handle
+  to a bucket the training rank on its device holds (SGLang's `update_weights_from_tensor`;
+  CUDA IPC on GPU, shared memory on CPU). Engine e's TP rank k is served by training rank
+  (e * tp + k) mod world size -- the rank on the same GPU when colocated.
+- ``distributed`` (disaggregated): rank 0 broadcasts each bucket over a torch.distributed
+  group the engines joined (`init_weights_update_group` + `update_weights_from_distributed`;
+  NCCL on GPU, gloo on CPU).
+
+Every update runs inside the server's weight-update session where it has one (SGLang
+0.5.23), never asks the server to flush per bucket (that fails, or on 0.5.18 kills the
+scheduler, whenever a request is queued) and carries the version on its last bucket only.
+Verification uses what a real server offers: every engine must report the new version in
+`/model_info`, and the sending rank reads back a few tensors with `/get_weights_by_name`
+and compares them with what it sent, where the engine implements that for the model.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import logging
 import time
-from typing import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
-import ray
 import torch
 
-from rollout.engines.weights_io import checksum
+from rollout.engines.client import EngineError
+from rollout.engines.weights_io import serialize_for_sglang
 
+log = logging.getLogger("homegym.weights")
 
 GROUP_NAME = "homegym_weights"
+# Tensors read back after a push: the embedding's first rows sit on every engine's TP rank
+# 0 and the final norm is replicated, so both compare whole whatever the engine's TP size.
+CHECK_NAMES = ("model.embed_tokens.weight", "model.norm.weight")
+CHECK_ROWS = 4
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class WeightSyncError(RuntimeError):
     pass
 
 
-def bucket_checksum(bucket: Iterable[tuple[str, torch.Tensor]]) -> float:
-    """The engines' end-to-end check value for one bucket of named tensors."""
-    return checksum(t for _, t in bucket)
+@dataclass(frozen=True)
+class PushPlan:
+    """One push, as every training rank executes it."""
+
+    mode: str  # tensor | distributed
+    version: int
+    targets: tuple  # rollout.engines.group.EngineTarget, engine order
+    bucket_bytes: int
+    dtype: str  # the engines' dtype: tensors are cast once, on the sender
+    device: str  # where the gathered buckets live: cuda for CUDA IPC / NCCL, else cpu
+    flush_cache: bool  # flush each engine's prefix cache once after the push
+    group_name: str = ""  # the broadcast group (distributed mode)
+
+
+def source_rank(engine: int, tp_rank: int, tp_size: int, world_size: int) -> int:
+    """The training rank that hands engine ``engine``'s TP rank ``tp_rank`` its tensors
+    in tensor mode (the rank on the same GPU when colocated)."""
+    return (engine * tp_size + tp_rank) % world_size
 
 
 class WeightSync:
+    """Driver-side: one per run (built by the Runtime); ``push(version)`` per update."""
+
     def __init__(self, config, train_group, engines, *, mode: str = "tensor") -> None:
         if mode not in ("tensor", "distributed"):
             raise ValueError(f"weight sync mode must be tensor or distributed (got {mode!r})")
@@ -44,72 +81,236 @@ class WeightSync:
         self.engines = engines
         self.mode = mode
         self.bucket_bytes = config.train.weight_bucket_mb * 2**20
-        self._group_ready = False
+        self._group_targets: Optional[tuple] = None  # engines the broadcast group was made for
+        self._group_name = ""
+        self._groups_made = 0
 
-    def push(self, version: int) -> dict[str, float]:
+    def plan(self, version: int, engines=None) -> PushPlan:
+        cfg = self.config
+        return PushPlan(
+            mode=self.mode, version=version, targets=tuple((engines or self.engines).targets()),
+            bucket_bytes=self.bucket_bytes, dtype=cfg.rollout.dtype or cfg.model.dtype,
+            device="cuda" if cfg.cluster.device == "cuda" else "cpu",
+            flush_cache=not cfg.cluster.colocate and cfg.rollout.update_in_flight == "abort",
+            group_name=self._group_name)
+
+    def push(self, version: int, engines=None) -> dict[str, float]:
+        """Load the trainer's current weights into every engine (or into ``engines``, an
+        EngineView, e.g. those just restarted) as ``version``, and verify them."""
         start = time.perf_counter()
-        if self.mode == "tensor":
-            num_bytes, num_buckets = self._push_tensors(version)
-        else:
-            num_bytes, num_buckets = self._push_distributed(version)
-        self.verify(version)
-        return {"perf/weight_sync_time": time.perf_counter() - start,
-                "perf/weight_sync_bytes": float(num_bytes),
-                "perf/weight_sync_buckets": float(num_buckets)}
-
-    def _push_tensors(self, version: int) -> tuple[int, int]:
-        buckets = self.train_group.named_weight_buckets(self.bucket_bytes)
-        num_bytes = 0
-        for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
-            num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            try:
-                self.engines.update_weights_from_tensor(
-                    bucket, version=version if last else None, checksum=bucket_checksum(bucket))
-            except Exception as err:
-                raise WeightSyncError(f"weight update to version {version} failed on bucket "
-                                      f"{i + 1}/{len(buckets)}: {err}") from err
-        return num_bytes, len(buckets)
-
-    def _ensure_group(self) -> None:
-        if self._group_ready:
-            return
-        address, port = self.train_group.weight_rendezvous()
-        world_size = 1 + len(self.engines.engines)
-        backend = "nccl" if self.config.cluster.device == "cuda" else "gloo"
-        engine_refs = self.engines.init_weights_update_group(
-            address, port, world_size=world_size, group_name=GROUP_NAME, backend=backend)
-        trainer_ref = self.train_group.init_weight_broadcast(address, port, world_size, GROUP_NAME)
-        results = ray.get(engine_refs + [trainer_ref])
-        failed = [r for r in results[:-1] if not (isinstance(r, dict) and r.get("success", True))]
-        if failed:
-            raise WeightSyncError(f"engines could not join the weight-update group: {failed}")
-        self._group_ready = True
-
-    def _push_distributed(self, version: int) -> tuple[int, int]:
-        self._ensure_group()
-        buckets = self.train_group.stage_weights(self.bucket_bytes)
-        # Engines take their update calls in order, each blocking until its tensors arrive;
-        # the trainer then broadcasts every bucket in the same order.
-        refs = []
-        for i, b in enumerate(buckets):
-            last = i == len(buckets) - 1
-            refs += self.engines.update_weights_from_distributed(
-                b["names"], b["dtypes"], b["shapes"], group_name=GROUP_NAME,
-                version=version if last else None, checksum=b["checksum"])
-        ray.get(self.train_group.broadcast_staged())
+        engines = engines or self.engines
+        plan = self.plan(version, engines)
+        if plan.mode == "distributed" and engines is not self.engines:
+            # Restarted engines are not members of the broadcast group: same host only.
+            plan = dataclasses.replace(plan, mode="tensor")
+        if plan.mode == "distributed" and self._group_targets != plan.targets:
+            plan = dataclasses.replace(plan, group_name=self._init_group(plan))
         try:
-            results = ray.get(refs)
+            metrics = self.train_group.send_weights(plan)
         except Exception as err:
+            if plan.mode == "distributed":
+                self._group_targets = None  # a broadcast broken off: form the group anew
             raise WeightSyncError(f"weight update to version {version} failed: {err}") from err
-        failed = [r for r in results if isinstance(r, dict) and not r.get("success", True)]
-        if failed:
-            raise WeightSyncError(f"weight update to version {version} failed: {failed[0]}")
-        return sum(b["bytes"] for b in buckets), len(buckets)
+        self.verify(version, engines)
+        metrics["perf/weight_sync_time"] = time.perf_counter() - start
+        return metrics
 
-    def verify(self, version: int) -> None:
-        reported = self.engines.weight_versions()
+    def _init_group(self, plan: PushPlan) -> str:
+        """Form a broadcast group of rank 0 and ``plan``'s engines; returns its name (new
+        each time: a process cannot create two groups of one name)."""
+        backend = "nccl" if self.config.cluster.device == "cuda" else "gloo"
+        self._groups_made += 1
+        name = f"{GROUP_NAME}_{self._groups_made}"
+        try:
+            self.train_group.init_weight_broadcast(list(plan.targets), name, backend)
+        except Exception as err:
+            raise WeightSyncError(f"engines could not join the weight-update group: {err}") from err
+        self._group_targets, self._group_name = plan.targets, name
+        return name
+
+    def verify(self, version: int, engines=None) -> None:
+        reported = (engines or self.engines).weight_versions()
         stale = [i for i, v in enumerate(reported) if str(v) != str(version)]
         if stale:
             raise WeightSyncError(f"engines {stale} report weight versions "
                                   f"{[reported[i] for i in stale]} after pushing version {version}")
+
+
+# ---------------------------------------------------------------------------------------
+# The rank side (trainer.train_group.TrainActor calls these on every rank).
+# ---------------------------------------------------------------------------------------
+
+def send_weights(buckets: Iterable[list[tuple[str, torch.Tensor]]], plan: PushPlan, *,
+                 rank: int, world_size: int, weight_group=None) -> dict[str, float]:
+    """Stream ``buckets`` (a backend's ``named_weight_buckets``, drained on every rank:
+    its gathers are collectives) to the engines of ``plan``; returns this rank's metrics."""
+    dtype = DTYPES[plan.dtype]
+    if plan.mode == "tensor":
+        sender = _TensorSender(plan, rank, world_size)
+    else:
+        sender = _BroadcastSender(plan, rank, weight_group)
+    num_bytes = num_buckets = 0
+    checks: dict[str, torch.Tensor] = {}
+    with sender:
+        for bucket, last in _with_last(buckets):
+            bucket = [(n, t.detach().to(dtype=dtype)) for n, t in bucket]
+            num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            num_buckets += 1
+            for name, t in bucket:
+                if name in CHECK_NAMES:
+                    checks[name] = t[:CHECK_ROWS].to("cpu", torch.float32)
+            sender.send(bucket, plan.version if last else None)
+    checked = sender.verify(checks)
+    return {"perf/weight_sync_bytes": float(num_bytes), "perf/weight_sync_buckets": float(num_buckets),
+            "perf/weight_sync_checked_tensors": float(checked)}
+
+
+def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    it = iter(items)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
+
+
+class _Sender:
+    """Opens and closes each served engine's weight-update session, sends buckets, flushes
+    once at the end and reads back the check tensors."""
+
+    def __init__(self, plan: PushPlan, engines: Sequence[int]):
+        self.plan = plan
+        self.engines = list(engines)  # indices into plan.targets this rank talks to
+        self.clients = {e: plan.targets[e].client() for e in self.engines}
+        self._sessions = contextlib.ExitStack()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)))
+
+    def __enter__(self):
+        for e in self.engines:
+            self._sessions.enter_context(self.clients[e].weight_update_session())
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self._sessions.close()
+            if exc[0] is None and self.plan.flush_cache:
+                self._each(lambda e, c: c.flush_cache())
+        finally:
+            self._pool.shutdown()
+
+    def _each(self, fn) -> list:
+        """``fn(engine, client)`` on every served engine concurrently; re-raises the first
+        failure."""
+        futures = [self._pool.submit(fn, e, self.clients[e]) for e in self.engines]
+        return [f.result() for f in futures]
+
+    def send(self, bucket, version: Optional[int]) -> None:
+        raise NotImplementedError
+
+    def verify(self, checks: dict[str, torch.Tensor]) -> int:
+        """Compare what each served engine holds with what was sent; returns the number of
+        (engine, tensor) pairs compared (0 where the engine cannot report weights)."""
+        compared = 0
+        for e in self.engines:
+            client = self.clients[e]
+            for name, expected in checks.items():
+                got = client.get_weights_by_name(name, truncate_size=CHECK_ROWS)
+                if got is None:
+                    log.info("%s cannot report weights by name; verified by version only",
+                             client.name)
+                    break
+                got_t = torch.tensor(got, dtype=torch.float32).reshape(expected.shape)
+                if not torch.allclose(got_t, expected, rtol=1e-6, atol=1e-6):
+                    diff = (got_t - expected).abs().max().item()
+                    raise WeightSyncError(
+                        f"{client.name}: {name} differs from what was pushed (version "
+                        f"{self.plan.version}) by up to {diff:.3g}")
+                compared += 1
+        return compared
+
+
+class _TensorSender(_Sender):
+    def __init__(self, plan: PushPlan, rank: int, world_size: int):
+        tp = [t.tp_size for t in plan.targets]
+        self.rank, self.world_size = rank, world_size
+        self.sources = [[source_rank(e, k, tp[e], world_size) for k in range(tp[e])]
+                        for e in range(len(tp))]
+        self.gather = any(len(set(s)) > 1 for s in self.sources)
+        self.serves = any(rank in s for s in self.sources)
+        super().__init__(plan, [e for e, s in enumerate(self.sources) if s[0] == rank])
+
+    def send(self, bucket, version: Optional[int]) -> None:
+        # Serializing shares the bucket's storage (CUDA IPC, or /dev/shm on CPU): only the
+        # ranks that serve an engine pay for it.
+        payload, load_format = None, None
+        if self.serves:
+            (payload,), load_format = serialize_for_sglang(bucket)
+        if self.gather:  # an engine's TP ranks are served by several training ranks
+            import torch.distributed as dist
+
+            payloads: list = [None] * self.world_size
+            dist.all_gather_object(payloads, payload)
+        else:
+            payloads = [payload] * self.world_size
+        self._each(lambda e, c: c.update_weights_from_tensor(
+            [payloads[r] for r in self.sources[e]], load_format=load_format, version=version))
+
+
+class _BroadcastSender(_Sender):
+    def __init__(self, plan: PushPlan, rank: int, weight_group):
+        self.rank, self.group = rank, weight_group
+        super().__init__(plan, range(len(plan.targets)) if rank == 0 else [])
+
+    def send(self, bucket, version: Optional[int]) -> None:
+        if self.rank != 0:
+            return
+        import torch.distributed as dist
+
+        names = [n for n, _ in bucket]
+        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        # Each engine's call returns once it has received every tensor of the bucket, so
+        # the calls run on threads while this rank broadcasts.
+        futures = [self._pool.submit(self.clients[e].update_weights_from_distributed, names,
+                                     dtypes, shapes, group_name=self.plan.group_name,
+                                     version=version)
+                   for e in self.engines]
+        tensors = [t.to(self.plan.device).contiguous() for _, t in bucket]
+        works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
+        # An engine that refuses the update never receives: stop waiting for it.
+        while not all(w.is_completed() for w in works):
+            failed = [f for f in futures if f.done() and f.exception() is not None]
+            if failed:
+                raise failed[0].exception()
+            time.sleep(0.001)
+        for f in futures:
+            f.result()
+
+
+def join_broadcast_group(targets: Sequence[Any], address: str, port: int, group_name: str,
+                         backend: str, *, timeout_s: float = 600.0):
+    """Rank 0's side of `init_weights_update_group`: every engine joins with all of its TP
+    ranks (engine e's first rank is 1 + the TP sizes of the engines before it) while this
+    process joins as rank 0; returns the group."""
+    from rollout.engines.weights_io import init_custom_process_group
+
+    offsets, world_size = [], 1
+    for t in targets:
+        offsets.append(world_size)
+        world_size += t.tp_size
+    clients = [t.client() for t in targets]
+    with ThreadPoolExecutor(max_workers=len(clients)) as pool:
+        futures = [pool.submit(c.init_weights_update_group, address, port, off, world_size,
+                               group_name, backend) for c, off in zip(clients, offsets)]
+        try:
+            group = init_custom_process_group(backend, f"tcp://{address}:{port}", world_size, 0,
+                                              group_name, timeout_s=timeout_s)
+        finally:
+            errors = [f.exception() for f in futures]
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise failed[0] if isinstance(failed[0], EngineError) else EngineError(str(failed[0]))
+    return group

@@ -3,21 +3,28 @@
 - ``EngineGroup`` (group.py): N engine actors + the sglang-router; what the trainer and
   rollout manager use.
 - ``EngineServer`` / ``remote_actor_class()`` (actor.py): one supervised server process;
-  ``HFLaunch`` (CPU, rollout/engines/hf) and ``SGLangLaunch`` (GPU) say how to start it.
+  ``HFLaunch`` (CPU, rollout/engines/hf) and ``SGLangLaunch`` (the real SGLang server, GPU
+  or CPU) say how to start it.
+- ``EngineClient`` (client.py): SGLang's admin routes for one engine, the supported SGLang
+  versions, and ``EngineError``, the one error type of every engine call.
 - ``Router`` (router.py): the real ``sglang_router.launch_router`` process.
-- ``MultiprocessingSerializer``, ``init_custom_process_group``, ``checksum``
-  (weights_io.py): the trainer side of weight updates.
+- ``serialize_for_sglang``, ``init_custom_process_group`` (weights_io.py): weight payloads
+  in SGLang's format, and the broadcast group of the distributed weight path.
 
 Submodules import lazily-heavy things (torch, ray) only where needed.
 """
 
-from rollout.engines.actor import (EngineError, EngineServer, HFLaunch, LaunchSpec, SGLangLaunch,
-                                   free_port, remote_actor_class, spec_from_config)
-from rollout.engines.group import EngineGroup
+from rollout.engines.actor import (EngineServer, HFLaunch, LaunchSpec, SGLangLaunch, free_port,
+                                   remote_actor_class, spec_from_config)
+from rollout.engines.client import (PINNED_SGLANG_VERSION, SUPPORTED_SGLANG_VERSIONS,
+                                    EngineClient, EngineError, UnsupportedEngineVersion)
+from rollout.engines.group import EngineGroup, EngineTarget
 from rollout.engines.router import Router
-from rollout.engines.weights_io import (MultiprocessingSerializer, checksum,
-                                        init_custom_process_group)
+from rollout.engines.weights_io import (MultiprocessingSerializer, init_custom_process_group,
+                                        serialize_for_sglang)
 
-__all__ = ["EngineGroup", "EngineServer", "EngineError", "LaunchSpec", "HFLaunch", "SGLangLaunch",
-           "Router", "free_port", "remote_actor_class", "spec_from_config",
-           "MultiprocessingSerializer", "checksum", "init_custom_process_group"]
+__all__ = ["EngineGroup", "EngineTarget", "EngineServer", "EngineClient", "EngineError",
+           "UnsupportedEngineVersion", "PINNED_SGLANG_VERSION", "SUPPORTED_SGLANG_VERSIONS",
+           "LaunchSpec", "HFLaunch", "SGLangLaunch", "Router", "free_port", "remote_actor_class",
+           "spec_from_config", "MultiprocessingSerializer", "init_custom_process_group",
+           "serialize_for_sglang"]

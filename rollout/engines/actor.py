@@ -1,10 +1,11 @@
 """EngineActor: one Ray actor that owns and supervises one inference server process.
 
-The hf (CPU) and sglang (GPU) engines differ only in the command that starts the server;
-supervision (start, readiness polling, crash detection with the log tail, restart,
-shutdown), router registration and the admin calls (SGLang's HTTP routes) are shared.
-``EngineServer`` is a plain class (usable without Ray, e.g. in tests and scripts);
-``EngineActor`` is its Ray actor form.
+The hf (homegym's CPU server) and sglang (the real SGLang server, on GPU or CPU) engines
+differ only in the command that starts the server; supervision (start, readiness polling,
+the SGLang version check, crash detection with the log tail, restart, shutdown) is shared.
+Admin calls go through ``EngineClient`` (client.py), which any process can build from the
+engine's URL. ``EngineServer`` is a plain class (usable without Ray, e.g. in tests and
+scripts); ``remote_actor_class()`` is its Ray actor form.
 """
 
 from __future__ import annotations
@@ -19,20 +20,11 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import requests
 
-from rollout.engines.weights_io import MultiprocessingSerializer
-
-
-class EngineError(RuntimeError):
-    """An engine answered an admin call with an error (message from the server)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(f"HTTP {status}: {message}")
-        self.status = status
-        self.message = message
+from rollout.engines.client import EngineClient, EngineError
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -64,22 +56,34 @@ def _die_with_parent() -> None:
     os.setsid()
 
 
+def bind_host(configured: str, num_nodes: int, node_ip: Optional[str]) -> str:
+    """The address a server binds: the configured one, except that a loopback address on
+    a multi-node cluster becomes this node's IP (the router and the training ranks on
+    other nodes could not reach it otherwise)."""
+    loopback = configured in ("localhost", "::1") or configured.startswith("127.")
+    if loopback and num_nodes > 1 and node_ip:
+        return node_ip
+    return configured
+
+
 @dataclass
 class LaunchSpec:
     """What differs between engine kinds: the command line and how the port is known."""
 
     model_path: str
     host: str = "127.0.0.1"
+    num_nodes: int = 1  # of the cluster: a loopback host becomes the node's IP when > 1
     api_key: Optional[str] = None
     max_context_len: Optional[int] = None
     dtype: str = "float32"
     torch_threads: int = 1
     ready_timeout_s: float = 180.0
     env: dict = field(default_factory=dict)
+    python: str = sys.executable  # the server's interpreter (SGLang may live in its own venv)
     # True: the server binds port 0 and writes the port to a file (no race at all).
     uses_port_file: bool = False
 
-    def command(self, port: int, port_file: Optional[str]) -> list[str]:
+    def command(self, port: int, port_file: Optional[str], host: str) -> list[str]:
         raise NotImplementedError
 
     def extra_ready_check(self) -> Optional[str]:
@@ -93,10 +97,12 @@ class HFLaunch(LaunchSpec):
     max_running_requests: int = 256
     weight_version: str = "default"
     uses_port_file: bool = True
+    # The SGLang contract the server speaks (routes and rules of that version).
+    contract_version: Optional[str] = None
 
-    def command(self, port: int, port_file: Optional[str]) -> list[str]:
-        cmd = [sys.executable, "-m", "rollout.engines.hf.server", "--model-path", self.model_path,
-               "--host", self.host, "--port", str(port), "--dtype", self.dtype,
+    def command(self, port: int, port_file: Optional[str], host: str) -> list[str]:
+        cmd = [self.python, "-m", "rollout.engines.hf.server", "--model-path", self.model_path,
+               "--host", host, "--port", str(port), "--dtype", self.dtype,
                "--torch-threads", str(self.torch_threads), "--attn-implementation",
                self.attn_implementation, "--max-running-requests", str(self.max_running_requests),
                "--weight-version", self.weight_version]
@@ -106,38 +112,61 @@ class HFLaunch(LaunchSpec):
             cmd += ["--api-key", self.api_key]
         if self.max_context_len:
             cmd += ["--max-context-len", str(self.max_context_len)]
+        if self.contract_version:
+            cmd += ["--contract-version", self.contract_version]
         return cmd
 
 
 @dataclass
 class SGLangLaunch(LaunchSpec):
-    """``python -m sglang.launch_server`` for one engine (argument names from SGLang's
-    ServerArgs). The Ray actor is given the engine's GPUs, so CUDA_VISIBLE_DEVICES already
-    lists only them and base_gpu_id is 0 unless several engines share one actor's view."""
+    """``python -m sglang.launch_server`` for one engine, with argument names from the
+    pinned SGLang's ServerArgs (tests/test_sglang_contract.py checks every flag against the
+    wheel). The Ray actor is given the engine's GPUs, so CUDA_VISIBLE_DEVICES already lists
+    only them and base_gpu_id is 0 unless several engines share one actor's view."""
 
+    device: str = "cuda"  # cuda | cpu (SGLang's CPU backend: AVX-512 + AMX, bfloat16 only)
     tp_size: int = 1
     mem_fraction_static: float = 0.8
     base_gpu_id: int = 0
     enable_memory_saver: bool = False  # colocated: release/resume GPU memory around training
-    random_seed: Optional[int] = None
+    random_seed: Optional[int] = None  # distinct per engine, or a group's samples repeat
     weight_version: str = "default"
     nccl_port: Optional[int] = None
     skip_warmup: bool = True
     log_level: str = "warning"
+    # KV cache size in tokens. On CPU SGLang otherwise sizes it from free RAM (~13 GB on a
+    # 24 GB box); null on GPU = from mem_fraction_static.
+    max_total_tokens: Optional[int] = None
     extra_args: Sequence[str] = ()
     ready_timeout_s: float = 900.0
 
-    def command(self, port: int, port_file: Optional[str]) -> list[str]:
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
-               "--host", self.host, "--port", str(port), "--tp-size", str(self.tp_size),
-               "--mem-fraction-static", str(self.mem_fraction_static),
-               "--base-gpu-id", str(self.base_gpu_id), "--dtype", _sglang_dtype(self.dtype),
+    def __post_init__(self) -> None:
+        # The router health-checks every engine each second through /health; by default
+        # SGLang runs a real one-token generation for it, which fails while a colocated
+        # engine has released its weights and KV cache. /health_generate still generates.
+        self.env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
+        if self.device == "cpu":
+            self.env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+            if self.max_total_tokens is None:
+                self.max_total_tokens = 65536
+
+    def command(self, port: int, port_file: Optional[str], host: str) -> list[str]:
+        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path,
+               "--host", host, "--port", str(port), "--device", self.device,
+               "--tp-size", str(self.tp_size), "--dtype", _sglang_dtype(self.dtype),
                "--trust-remote-code", "--log-level", self.log_level,
                "--weight-version", self.weight_version]
+        if self.device == "cuda":
+            cmd += ["--mem-fraction-static", str(self.mem_fraction_static),
+                    "--base-gpu-id", str(self.base_gpu_id)]
+        if self.max_total_tokens:
+            cmd += ["--max-total-tokens", str(self.max_total_tokens)]
         if self.max_context_len:
             cmd += ["--context-length", str(self.max_context_len)]
         if self.enable_memory_saver:
-            cmd += ["--enable-memory-saver"]
+            # The prefill CUDA graph's memory is not released by the memory saver (slime
+            # turns it off for colocated training too); decode graphs are.
+            cmd += ["--enable-memory-saver", "--disable-prefill-cuda-graph"]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         if self.random_seed is not None:
@@ -158,7 +187,7 @@ def _sglang_dtype(dtype: str) -> str:
 
 
 class EngineServer:
-    """Supervises one server process and forwards SGLang admin calls to it."""
+    """Supervises one server process; ``client`` makes the admin calls."""
 
     def __init__(self, spec: LaunchSpec, name: str = "engine", log_dir: Optional[str] = None):
         self.spec = spec
@@ -167,6 +196,7 @@ class EngineServer:
         os.makedirs(self.log_dir, exist_ok=True)
         self.proc: Optional[subprocess.Popen] = None
         self._url: Optional[str] = None
+        self.client: Optional[EngineClient] = None
         self.log_path = os.path.join(self.log_dir, f"{name}.log")
         self.session = requests.Session()
         self.headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
@@ -183,19 +213,28 @@ class EngineServer:
                 last = exc
         raise RuntimeError(f"{self.name}: could not bind a port after {attempts} tries: {last}")
 
+    def _bind_host(self) -> str:
+        node_ip = None
+        if self.spec.num_nodes > 1:
+            import ray
+
+            node_ip = ray.util.get_node_ip_address() if ray.is_initialized() else None
+        return bind_host(self.spec.host, self.spec.num_nodes, node_ip)
+
     def _start_once(self) -> str:
         spec = self.spec
+        host = self._bind_host()
         port_file = None
         if spec.uses_port_file:
             port, port_file = 0, os.path.join(self.log_dir, f"{self.name}.port")
             if os.path.exists(port_file):
                 os.remove(port_file)
         else:
-            port = free_port(spec.host)
+            port = free_port(host)
         env = dict(os.environ, OMP_NUM_THREADS=str(spec.torch_threads),
                    TOKENIZERS_PARALLELISM="false", **{k: str(v) for k, v in spec.env.items()})
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(spec.command(port, port_file), stdout=log,
+        self.proc = subprocess.Popen(spec.command(port, port_file, host), stdout=log,
                                      stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
         log.close()
         deadline = time.monotonic() + spec.ready_timeout_s
@@ -208,8 +247,8 @@ class EngineServer:
         if port_file:
             with open(port_file) as f:
                 port = int(f.read())
-        host = spec.host if spec.host not in ("0.0.0.0", "::") else "127.0.0.1"
-        self._url = f"http://{host}:{port}"
+        url_host = host if host not in ("0.0.0.0", "::") else "127.0.0.1"
+        self._url = f"http://{url_host}:{port}"
         checks = ["/health"] + ([spec.extra_ready_check()] if spec.extra_ready_check() else [])
         for route in checks:
             while True:
@@ -223,6 +262,12 @@ class EngineServer:
                 if time.monotonic() > deadline:
                     self._timeout()
                 time.sleep(0.1)
+        self.client = EngineClient(self._url, spec.api_key, name=self.name)
+        try:
+            self.client.version()  # refuses a server of an unsupported SGLang version
+        except EngineError:
+            self.shutdown()
+            raise
         return self._url
 
     def _log_tail(self) -> str:
@@ -286,95 +331,7 @@ class EngineServer:
         """Add this engine to an sglang-router (POST /workers)."""
         r = self.session.post(f"{router_url}/workers", json={"url": self._url}, timeout=30)
         if r.status_code >= 300:
-            raise EngineError(r.status_code, r.text)
-
-    # ---- HTTP forwarding ----
-    def _call(self, route: str, payload: Optional[dict] = None, method: str = "POST",
-              timeout: float = 600.0) -> Any:
-        if self._url is None:
-            raise RuntimeError(f"{self.name}: not started")
-        r = self.session.request(method, self._url + route, json=payload, headers=self.headers,
-                                 timeout=timeout)
-        try:
-            data = r.json()
-        except ValueError:
-            data = r.text
-        if r.status_code >= 300:
-            msg = data.get("message") or data.get("error") if isinstance(data, dict) else data
-            raise EngineError(r.status_code, f"{route}: {msg}")
-        return data
-
-    def generate(self, payload: dict) -> dict:
-        return self._call("/generate", payload)
-
-    def update_weights_from_tensor(self, named_tensors, version=None, checksum=None,
-                                   flush_cache: bool = True) -> dict:
-        """``named_tensors``: a list of (name, tensor) or an already-serialized payload
-        (``MultiprocessingSerializer.serialize(named_tensors, output_str=True)``)."""
-        payload = named_tensors if isinstance(named_tensors, str) else \
-            MultiprocessingSerializer.serialize(list(named_tensors), output_str=True)
-        tp = getattr(self.spec, "tp_size", 1)
-        body = {"serialized_named_tensors": [payload] * tp, "load_format": None,
-                "flush_cache": flush_cache}
-        if version is not None:
-            body["weight_version"] = str(version)
-        if checksum is not None:
-            body["checksum"] = checksum
-        return self._call("/update_weights_from_tensor", body)
-
-    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
-                                  group_name="weight_update_group", backend="gloo") -> dict:
-        return self._call("/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port,
-            "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
-            "backend": backend})
-
-    def destroy_weights_update_group(self, group_name="weight_update_group") -> dict:
-        return self._call("/destroy_weights_update_group", {"group_name": group_name})
-
-    def update_weights_from_distributed(self, names, dtypes, shapes,
-                                        group_name="weight_update_group", version=None,
-                                        checksum=None, flush_cache: bool = True) -> dict:
-        body = {"names": list(names), "dtypes": [str(d).replace("torch.", "") for d in dtypes],
-                "shapes": [list(s) for s in shapes], "group_name": group_name,
-                "flush_cache": flush_cache}
-        if version is not None:
-            body["weight_version"] = str(version)
-        if checksum is not None:
-            body["checksum"] = checksum
-        return self._call("/update_weights_from_distributed", body)
-
-    def update_weights_from_disk(self, path, version=None, checksum=None) -> dict:
-        body = {"model_path": path}
-        if version is not None:
-            body["weight_version"] = str(version)
-        if checksum is not None:
-            body["checksum"] = checksum
-        return self._call("/update_weights_from_disk", body)
-
-    def release_memory(self) -> dict:
-        return self._call("/release_memory_occupation", {})
-
-    def resume_memory(self, tags: Optional[list] = None) -> dict:
-        return self._call("/resume_memory_occupation", {"tags": tags})
-
-    def pause_generation(self, mode: str = "abort") -> dict:
-        return self._call("/pause_generation", {"mode": mode})
-
-    def continue_generation(self) -> dict:
-        return self._call("/continue_generation", {})
-
-    def abort_all(self) -> dict:
-        return self._call("/abort_request", {"abort_all": True})
-
-    def flush_cache(self) -> Any:
-        return self._call("/flush_cache", None, method="GET")
-
-    def weight_version(self) -> str:
-        return self._call("/get_weight_version", None, method="GET")["weight_version"]
-
-    def server_info(self) -> dict:
-        return self._call("/get_server_info", None, method="GET")
+            raise EngineError(r.text, status=r.status_code, engine=self.name, route="/workers")
 
     def __del__(self):
         try:
@@ -396,16 +353,21 @@ def remote_actor_class():
 
 
 def spec_from_config(config, model_path: str, *, engine_kind: Optional[str] = None,
-                     base_gpu_id: int = 0) -> LaunchSpec:
-    """Build the launch spec for one engine from a HomegymConfig."""
+                     base_gpu_id: int = 0, index: int = 0) -> LaunchSpec:
+    """The launch spec of engine ``index`` of a run, from a HomegymConfig."""
     kind = engine_kind or config.rollout.engine
     m, c, r = config.model, config.cluster, config.rollout
-    common = dict(model_path=model_path, host=c.host, max_context_len=m.max_context_len,
-                  dtype=m.dtype, torch_threads=c.torch_threads)
+    common = dict(model_path=model_path, host=c.host, num_nodes=c.num_nodes,
+                  max_context_len=m.max_context_len, dtype=r.dtype or m.dtype,
+                  torch_threads=c.torch_threads)
     if kind == "hf":
         return HFLaunch(attn_implementation=m.attn_implementation, **common)
     if kind == "sglang":
-        return SGLangLaunch(tp_size=r.num_gpus_per_engine, mem_fraction_static=r.mem_fraction_static,
-                            base_gpu_id=base_gpu_id, enable_memory_saver=c.colocate,
-                            random_seed=config.train.seed, **common)
+        return SGLangLaunch(device=c.device, tp_size=r.num_gpus_per_engine,
+                            mem_fraction_static=r.mem_fraction_static, base_gpu_id=base_gpu_id,
+                            enable_memory_saver=c.colocate and c.device == "cuda",
+                            random_seed=config.train.seed + index,
+                            python=r.sglang_python or sys.executable,
+                            max_total_tokens=r.sglang_max_total_tokens,
+                            extra_args=tuple(r.sglang_args), **common)
     raise ValueError(f"rollout.engine must be hf or sglang (got {kind!r})")

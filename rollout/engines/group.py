@@ -1,8 +1,10 @@
 """EngineGroup: N engine actors behind one sglang-router, managed as one thing.
 
-The rollout manager only needs ``router_url``; the trainer uses the fan-out methods
-(weight sync, pause/abort/continue, release/resume memory), each of which returns once
+The rollout manager only needs ``router_url``; the driver uses the fan-out methods
+(pause/abort/continue, release/resume memory, weight versions), each of which returns once
 every engine has answered (results in engine order) and raises if any engine failed.
+Weights do not pass through here: ``targets()`` tells the training ranks where the
+engines are, and they stream the tensors themselves (trainer/weights.py).
 """
 
 from __future__ import annotations
@@ -10,59 +12,58 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from rollout.engines.actor import LaunchSpec, remote_actor_class, spec_from_config
+from rollout.engines.actor import LaunchSpec, bind_host, remote_actor_class, spec_from_config
+from rollout.engines.client import EngineClient
 from rollout.engines.router import Router
 
 log = logging.getLogger("homegym.engines")
 
 
-class _FanOut:
-    """Fan-out methods over ``self.engines`` (Ray actor handles): each returns once every
-    engine has answered (results in engine order) and raises if any engine failed."""
+@dataclass(frozen=True)
+class EngineTarget:
+    """What a process needs to talk to one engine: shipped to the training ranks, which
+    stream weights to the engines themselves (the driver never holds a weight)."""
 
-    engines: list
+    name: str
+    url: str
+    api_key: Optional[str]
+    tp_size: int
+
+    def client(self) -> EngineClient:
+        return EngineClient(self.url, self.api_key, name=self.name)
+
+
+class _FanOut:
+    """Admin calls over ``self.clients`` (one EngineClient per engine), made concurrently
+    from the calling process: each returns once every engine has answered (results in
+    engine order) and raises the first engine's EngineError if any failed."""
+
+    clients: list[EngineClient]
+    tp_sizes: list[int]
 
     def _all(self, method: str, *args, **kwargs) -> list:
-        import ray
+        clients = list(self.clients)
+        if len(clients) == 1:
+            return [getattr(clients[0], method)(*args, **kwargs)]
+        with ThreadPoolExecutor(max_workers=len(clients)) as pool:
+            futures = [pool.submit(getattr(c, method), *args, **kwargs) for c in clients]
+            return [f.result() for f in futures]
 
-        return ray.get([getattr(e, method).remote(*args, **kwargs) for e in self.engines])
+    def targets(self) -> list[EngineTarget]:
+        return [EngineTarget(c.name, c.url, c.headers and c.headers["Authorization"][7:] or None, tp)
+                for c, tp in zip(self.clients, self.tp_sizes)]
 
-    def health(self) -> list[bool]:
-        return self._all("health")
+    def release_memory(self, tags: Optional[list[str]] = None) -> list:
+        """Release weights and KV cache (colocated training turns). SGLang asserts an idle
+        server, so first wait until each one is (its /flush_cache succeeds only then)."""
+        self._all("flush_cache")
+        return self._all("release_memory", tags)
 
-    def update_weights_from_tensor(self, named_tensors, version=None, checksum=None) -> list:
-        from rollout.engines.weights_io import MultiprocessingSerializer
-
-        # Serialize once here (shared memory handles), not once per engine.
-        payload = named_tensors if isinstance(named_tensors, str) else \
-            MultiprocessingSerializer.serialize(list(named_tensors), output_str=True)
-        return self._all("update_weights_from_tensor", payload, version, checksum)
-
-    def init_weights_update_group(self, master_address, master_port, world_size=None,
-                                  group_name="weight_update_group", backend="gloo") -> list:
-        """Engines join as ranks 1..N (the trainer's rank 0 broadcasts). Returns the Ray
-        refs: the trainer must join the group (rank 0) before these complete."""
-        world_size = world_size or 1 + len(self.engines)
-        return [e.init_weights_update_group.remote(master_address, master_port, 1 + i, world_size,
-                                                   group_name, backend)
-                for i, e in enumerate(self.engines)]
-
-    def update_weights_from_distributed(self, names, dtypes, shapes,
-                                        group_name="weight_update_group", version=None,
-                                        checksum=None) -> list:
-        """Returns Ray refs; the trainer broadcasts the tensors, then ray.get()s them."""
-        return [e.update_weights_from_distributed.remote(names, dtypes, shapes, group_name, version,
-                                                         checksum) for e in self.engines]
-
-    def update_weights_from_disk(self, path, version=None, checksum=None) -> list:
-        return self._all("update_weights_from_disk", path, version, checksum)
-
-    def release_memory(self) -> list:
-        return self._all("release_memory")
-
-    def resume_memory(self, tags=None) -> list:
+    def resume_memory(self, tags: Optional[list[str]] = None) -> list:
         return self._all("resume_memory", tags)
 
     def pause_generation(self, mode: str = "abort") -> list:
@@ -83,13 +84,27 @@ class _FanOut:
     def weight_versions(self) -> list[str]:
         return self._all("weight_version")
 
+    def update_weights_from_disk(self, path: str, version=None) -> list:
+        return self._all("update_weights_from_disk", path, version=version)
+
+    def rank_offsets(self) -> tuple[list[int], int]:
+        """Each engine's first rank in the weight-broadcast group, and the group's size:
+        the trainer is rank 0 and every engine joins with all of its TP ranks."""
+        offsets, next_rank = [], 1
+        for tp in self.tp_sizes:
+            offsets.append(next_rank)
+            next_rank += tp
+        return offsets, next_rank
+
 
 class EngineView(_FanOut):
     """Some engines of a group, with the group's fan-out methods (e.g. a weight push to the
     engines just restarted: ``WeightSync(config, train_group, view).push(version)``)."""
 
-    def __init__(self, engines: Sequence[Any], indices: Sequence[int]):
-        self.engines = list(engines)
+    def __init__(self, clients: Sequence[EngineClient], tp_sizes: Sequence[int],
+                 indices: Sequence[int]):
+        self.clients = list(clients)
+        self.tp_sizes = list(tp_sizes)
         self.indices = list(indices)
 
 
@@ -122,6 +137,8 @@ class EngineGroup(_FanOut):
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="hg-engines-")
         self.engines: list[Any] = []  # Ray actor handles, engine order
         self.urls: list[str] = []
+        self.names: list[str] = []
+        self.clients: list[EngineClient] = []
         self.router: Optional[Router] = None
         self._next_id = 0
         self.restarts = 0  # engines restarted by recover() over the run
@@ -154,24 +171,43 @@ class EngineGroup(_FanOut):
             opts["scheduling_strategy"] = entry
         return opts
 
+    def health(self) -> list[bool]:
+        """Per engine: its server process is alive and answers /health."""
+        import ray
+
+        return ray.get([e.health.remote() for e in self.engines])
+
+    @property
+    def tp_sizes(self) -> list[int]:
+        return [self.config.rollout.num_gpus_per_engine] * len(self.engines)
+
+    def _set_url(self, index: int, url: str) -> None:
+        self.urls[index] = url
+        self.clients[index] = EngineClient(url, None, name=self.names[index])
+
     def _spawn(self, index: int, spec: Optional[LaunchSpec] = None):
         if spec is None:
-            spec = spec_from_config(self.config, self.model_path)
+            spec = spec_from_config(self.config, self.model_path, index=index)
             if self.gpu_ids is not None and index < len(self.gpu_ids):
                 # The actor holds a fraction of one GPU; its server gets all of its GPUs.
                 spec.env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_ids[index]))
         name = f"engine{self._next_id}"
         self._next_id += 1
         actor = remote_actor_class().options(**self._options(index)).remote(spec, name, self.log_dir)
-        return actor, actor.start.remote()
+        return actor, name, actor.start.remote()
 
     def start(self) -> str:
         import ray
 
         pending = [self._spawn(i) for i in range(self.num_engines)]
-        self.engines = [a for a, _ in pending]
-        self.urls = ray.get([ref for _, ref in pending])  # engines start in parallel
-        self.router = Router(host=self.config.cluster.host, port=self.config.rollout.router_port,
+        self.engines = [a for a, _, _ in pending]
+        self.names = [n for _, n, _ in pending]
+        self.urls = ray.get([ref for _, _, ref in pending])  # engines start in parallel
+        self.clients = [EngineClient(u, None, name=n) for u, n in zip(self.urls, self.names)]
+        cluster = self.config.cluster
+        node_ip = ray.util.get_node_ip_address() if cluster.num_nodes > 1 else None
+        self.router = Router(host=bind_host(cluster.host, cluster.num_nodes, node_ip),
+                             port=self.config.rollout.router_port,
                              tokenizer_path=self.model_path,
                              log_dir=os.path.join(self.log_dir, "router"))
         os.makedirs(self.router.log_dir, exist_ok=True)
@@ -195,7 +231,7 @@ class EngineGroup(_FanOut):
             pass
         for e in self.engines:
             ray.kill(e)
-        self.engines, self.urls = [], []
+        self.engines, self.urls, self.names, self.clients = [], [], [], []
 
     def add_engine(self, placement: Any = None) -> int:
         """Start one more engine and register it with the router; returns its index."""
@@ -203,11 +239,13 @@ class EngineGroup(_FanOut):
 
         if placement is not None:
             self.placement = (self.placement or [None] * len(self.engines)) + [placement]
-        actor, ref = self._spawn(len(self.engines))
+        actor, name, ref = self._spawn(len(self.engines))
         url = ray.get(ref)
         self.router.add_worker(url)
         self.engines.append(actor)
         self.urls.append(url)
+        self.names.append(name)
+        self.clients.append(EngineClient(url, None, name=name))
         return len(self.engines) - 1
 
     def remove_engine(self, index: int) -> None:
@@ -217,6 +255,8 @@ class EngineGroup(_FanOut):
         if not 0 <= index < len(self.engines):
             raise ValueError(f"no engine {index} (have {len(self.engines)})")
         url, actor = self.urls.pop(index), self.engines.pop(index)
+        self.names.pop(index)
+        self.clients.pop(index)
         if self.placement is not None and index < len(self.placement):
             self.placement.pop(index)
         if self.gpu_ids is not None and index < len(self.gpu_ids):
@@ -241,7 +281,7 @@ class EngineGroup(_FanOut):
             pass
         url = ray.get(self.engines[index].restart.remote())
         self.router.add_worker(url)
-        self.urls[index] = url
+        self._set_url(index, url)
         return url
 
     # ---- fault recovery ----
@@ -271,8 +311,9 @@ class EngineGroup(_FanOut):
             ray.kill(self.engines[index])
         except Exception:
             pass
-        actor, ref = self._spawn(index)
+        actor, name, ref = self._spawn(index)
         self.engines[index] = actor
+        self.names[index] = name
         return ray.get(ref)
 
     def recover(self, push_weights: Optional[Callable[["EngineView"], Any]] = None) -> dict[str, float]:
@@ -309,10 +350,11 @@ class EngineGroup(_FanOut):
                     log.warning("engine %d: restart failed (%s); re-creating its actor", index, err)
                     url = self._respawn(index)
             self.router.add_worker(url)
-            self.urls[index] = url
+            self._set_url(index, url)
         if dead and push_weights is not None:
             indices = sorted(dead)
-            push_weights(EngineView([self.engines[i] for i in indices], indices))
+            push_weights(EngineView([self.clients[i] for i in indices],
+                                    [self.tp_sizes[i] for i in indices], indices))
         self.restarts += len(dead)
         return {"rollout/engine_restarts": float(self.restarts),
                 "rollout/engines_restarted_now": float(len(dead))}

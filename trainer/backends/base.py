@@ -36,8 +36,9 @@ class TrainBackend(Protocol):
     def sft_step(self, batch: BatchLike) -> dict[str, float]:
         """One supervised optimizer step: mean NLL over loss_mask tokens."""
 
-    def named_weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
-        """Full (gathered) tensors under their Hugging Face names, in buckets of ~bytes."""
+    def named_weight_buckets(self, bucket_bytes: int, device: str = "cpu") -> Iterator[NamedTensors]:
+        """Full (gathered) tensors under their Hugging Face names, in buckets of ~bytes,
+        copied to ``device`` (cuda keeps them on the GPU for CUDA IPC / NCCL)."""
 
     def save(self, path: str) -> None: ...
 

@@ -287,8 +287,9 @@ class FSDPBackend:
         return out
 
     # ----------------------------------------------------------------- weights
-    def named_weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
-        """Gathered full tensors under HF names, ~bucket_bytes per bucket (CPU tensors).
+    def named_weight_buckets(self, bucket_bytes: int, device: str = "cpu") -> Iterator[NamedTensors]:
+        """Gathered full tensors under HF names, ~bucket_bytes per bucket, on ``device``
+        (a copy: the caller may keep or share them while training goes on).
 
         Collective: every rank must drain the iterator. Tied weights (lm_head sharing the
         embedding) appear once, under the name the HF checkpoint stores.
@@ -304,7 +305,7 @@ class FSDPBackend:
             if name in tied:
                 continue
             full = value.full_tensor() if hasattr(value, "full_tensor") else value
-            full = full.detach().to("cpu", copy=True)
+            full = full.detach().to(device, copy=True)
             nbytes = full.numel() * full.element_size()
             if bucket and size + nbytes > bucket_bytes:
                 yield bucket

@@ -9,11 +9,21 @@ gathers the outputs back into the packed row.
 transformers hands extra forward kwargs down to the attention function, so the layout and
 prefix KV travel as the ``packed_prefix`` kwarg; a forward without it is plain SDPA (the
 prefix pass, and any other use of the model).
+
+On CUDA in fp16/bf16 with flash-attn installed, the suffix attention runs flash-attn's
+``flash_attn_varlen_func`` instead, with no re-padding at all: the queries are the packed
+suffix tokens as they are (cu_seqlens_q = each row's suffix length), and row b's keys are
+its prefix's real tokens followed by its own suffix (cu_seqlens_k). flash-attn >= 2.1
+aligns the causal mask to the bottom-right corner when seqlen_k > seqlen_q (query i of a
+row sees keys j <= i + seqlen_k - seqlen_q), which is exactly "the whole prefix, then the
+suffix causally". GQA is native (fewer K/V heads than query heads). Anything else (CPU,
+fp32, no flash-attn, ``use_flash = False``) takes the SDPA path.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +40,84 @@ class PackedPrefix:
     keys: list[torch.Tensor]  # per layer [U, H_kv, L, D]: the prefixes' keys (post-RoPE)
     values: list[torch.Tensor]
     layout: SharedPrefix  # rows, width, each row's prefix, each packed token's slot
+    # The varlen layout (flash path), built by the first layer and shared by the others.
+    varlen: Optional["VarlenLayout"] = field(default=None, repr=False)
+
+
+# flash-attn's varlen kernel, or None without flash-attn; preferred where it applies.
+try:
+    from flash_attn import flash_attn_varlen_func as _flash_varlen
+    flash_import_error = None
+except Exception as _e:  # not installed, or built for another torch/CUDA
+    _flash_varlen = None
+    flash_import_error = f"{type(_e).__name__}: {_e}"
+use_flash = True  # False forces SDPA (the GPU smoke compares the two)
+
+
+def flash_available() -> bool:
+    return _flash_varlen is not None
+
+
+def _flash_applies(query: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    return (use_flash and _flash_varlen is not None and query.is_cuda
+            and query.dtype in (torch.float16, torch.bfloat16)
+            and all(t.dtype == query.dtype for t in tensors) and query.shape[-1] <= 256)
+
+
+@dataclass
+class VarlenLayout:
+    """The micro-batch as flash-attn's varlen batch: per row, queries = its packed suffix,
+    keys = its prefix's real tokens then its suffix."""
+
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    cu_seqlens_k: torch.Tensor  # [B + 1] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+    # Row-major key index into cat(prefix keys [U * L], packed suffix keys [N]).
+    kv_index: torch.Tensor
+
+
+def varlen_layout(layout: SharedPrefix) -> VarlenLayout:
+    u, length = layout.prefix_mask.shape  # distinct prefixes, padded prefix length
+    device = layout.slot.device
+    prefix_len = layout.prefix_mask.sum(1)[layout.prefix_index]  # [B]
+    suffix_len = torch.bincount(layout.slot // layout.width, minlength=layout.rows)  # [B]
+    key_len = prefix_len + suffix_len
+
+    def cumulative(lengths):
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
+        cu[1:] = torch.cumsum(lengths, 0)
+        return cu
+
+    cu_q, cu_k = cumulative(suffix_len), cumulative(key_len)
+    row = torch.repeat_interleave(torch.arange(layout.rows, device=device), key_len)
+    pos = torch.arange(row.numel(), device=device) - cu_k[:-1].long()[row]
+    from_prefix = layout.prefix_index[row] * length + pos
+    from_suffix = u * length + cu_q[:-1].long()[row] + pos - prefix_len[row]
+    kv_index = torch.where(pos < prefix_len[row], from_prefix, from_suffix)
+    lengths = torch.stack([suffix_len.max(), key_len.max()]).tolist()  # one host sync
+    return VarlenLayout(cu_q, cu_k, int(lengths[0]), int(lengths[1]), kv_index)
+
+
+def _varlen_kv(prefix: torch.Tensor, packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[U, H, L, D] prefixes + [1, H, N, D] packed suffixes -> [total_k, H, D] per the index."""
+    u, h, l, d = prefix.shape
+    flat = torch.cat([prefix.transpose(1, 2).reshape(u * l, h, d), packed[0].transpose(0, 1)])
+    return flat.index_select(0, index)
+
+
+def _flash_prefix_attention(query, key, value, packed_prefix: PackedPrefix, layer: int,
+                            scaling, dropout) -> torch.Tensor:
+    if packed_prefix.varlen is None:
+        packed_prefix.varlen = varlen_layout(packed_prefix.layout)
+    v = packed_prefix.varlen
+    out = _flash_varlen(
+        query[0].transpose(0, 1).contiguous(),  # [N, H, D]: the packed order is row-major
+        _varlen_kv(packed_prefix.keys[layer], key, v.kv_index),
+        _varlen_kv(packed_prefix.values[layer], value, v.kv_index),
+        v.cu_seqlens_q, v.cu_seqlens_k, v.max_seqlen_q, v.max_seqlen_k,
+        dropout_p=dropout, softmax_scale=scaling, causal=True)
+    return out[None]  # [1, N, H, D]
 
 
 def _repad(x: torch.Tensor, layout: SharedPrefix) -> torch.Tensor:
@@ -48,6 +136,9 @@ def packed_prefix_attention(module, query, key, value, attention_mask, scaling=N
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     layout, layer = packed_prefix.layout, module.layer_idx
+    if _flash_applies(query, key, value, packed_prefix.keys[layer], packed_prefix.values[layer]):
+        return _flash_prefix_attention(query, key, value, packed_prefix, layer, scaling,
+                                       dropout), None
     keys = torch.cat([packed_prefix.keys[layer].index_select(0, layout.prefix_index),
                       _repad(key, layout)], 2)
     values = torch.cat([packed_prefix.values[layer].index_select(0, layout.prefix_index),

@@ -4,9 +4,18 @@
         [--api-key K] [--torch-threads 1] [--max-context-len L] [--dtype float32]
 
 Everything above the engine (router, rollout manager, user generate functions, trainer
-weight sync) speaks SGLang's contract, so it cannot tell this server from SGLang. The
-model runs on one scheduler thread with continuous batching (see batcher.py); this module
-is the HTTP layer: parse and validate, hand requests to the batcher, format SGLang's
+weight sync) speaks SGLang's contract, so it cannot tell this server from SGLang: the
+routes it serves are the pinned SGLang version's (``--contract-version`` picks another
+supported one; tests/test_sglang_contract.py checks them against each wheel's source),
+with that version's fields, answers and refusals: unknown keys are ignored, the weight
+version is in ``/model_info``, ``flush_cache`` and ``release_memory_occupation`` refuse a
+busy server, and under 0.5.23 tensor and distributed weight updates need a session
+(``/begin_weight_update`` .. ``/end_weight_update``). Its extensions, which no code that
+also talks to SGLang relies on: ``meta_info.weight_versions`` (every version a partial
+rollout's tokens came from) and the engine statistics in ``/server_info``.
+
+The model runs on one scheduler thread with continuous batching (see batcher.py); this
+module is the HTTP layer: parse and validate, hand requests to the batcher, format SGLang's
 responses. Requests with ``input_ids`` are never tokenized; JSON goes through orjson.
 """
 
@@ -29,14 +38,19 @@ from aiohttp import web
 
 from rollout.engines.hf import fast_kernels
 from rollout.engines.hf.batcher import Batcher, Request
-from rollout.engines.weights_io import (MultiprocessingSerializer, checksum, checksums_match,
-                                        init_custom_process_group)
+from rollout.engines.client import PINNED_SGLANG_VERSION, SUPPORTED_SGLANG_VERSIONS
+from rollout.engines.weights_io import deserialize_named_tensors, init_custom_process_group
 
 log = logging.getLogger("homegym.hf_server")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Routes that answer without the api key (SGLang leaves /health open for probes).
 OPEN_ROUTES = {"/health"}
+# Versions whose tensor / distributed weight updates need a weight-update session.
+SESSION_VERSIONS = {"0.5.23"}
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+BUSY = ("requests are still running or queued; retract or finish them first "
+        "(When there are running or waiting requests, the operation will not be performed.)")
 
 
 class BadRequest(ValueError):
@@ -83,6 +97,35 @@ def _num(params: dict, key: str, default, kind=float, lo=None, hi=None, lo_open=
     return value
 
 
+def routes(contract_version: str) -> list[tuple[str, str, str]]:
+    """(method, path, handler) of every route served under ``contract_version``: the
+    routes and methods of that SGLang version (tests/test_sglang_contract.py checks)."""
+    table = [("POST", "/generate", "generate"), ("POST", "/v1/chat/completions", "chat_completions")]
+    for path, handler in [("/health", "health"), ("/health_generate", "health_generate"),
+                          ("/get_model_info", "model_info"), ("/model_info", "model_info"),
+                          ("/get_server_info", "server_info"), ("/server_info", "server_info"),
+                          ("/v1/models", "v1_models")]:
+        table.append(("GET", path, handler))
+    for path, handler in [("/flush_cache", "flush_cache"),
+                          ("/get_weights_by_name", "get_weights_by_name"),
+                          ("/release_memory_occupation", "release_memory"),
+                          ("/resume_memory_occupation", "resume_memory")]:
+        table += [("GET", path, handler), ("POST", path, handler)]
+    for path, handler in [("/abort_request", "abort_request"),
+                          ("/update_weights_from_tensor", "update_weights_from_tensor"),
+                          ("/init_weights_update_group", "init_weights_update_group"),
+                          ("/destroy_weights_update_group", "destroy_weights_update_group"),
+                          ("/update_weights_from_distributed", "update_weights_from_distributed"),
+                          ("/update_weights_from_disk", "update_weights_from_disk"),
+                          ("/pause_generation", "pause_generation"),
+                          ("/continue_generation", "continue_generation")]:
+        table.append(("POST", path, handler))
+    if contract_version in SESSION_VERSIONS:
+        table += [("POST", "/begin_weight_update", "begin_weight_update"),
+                  ("POST", "/end_weight_update", "end_weight_update")]
+    return table
+
+
 class Server:
     def __init__(self, args: argparse.Namespace):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -113,6 +156,9 @@ class Server:
         self.groups: dict[str, Any] = {}
         self.released_shapes: Optional[dict] = None
         self.weights_need_update = False
+        self.released_tags: set[str] = set()
+        self.contract_version = args.contract_version
+        self.weight_session = False  # open /begin_weight_update session (0.5.23)
         # Finished requests waiting for the event loop; one wake-up per batch of them.
         self._finished: list[tuple[asyncio.Future, Request]] = []
         self._finished_lock = threading.Lock()
@@ -157,28 +203,8 @@ class Server:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self.middleware], client_max_size=1 << 30)
-        r = app.router
-        r.add_post("/generate", self.generate)
-        for path, handler in [("/health", self.health), ("/health_generate", self.health_generate),
-                              ("/get_model_info", self.model_info), ("/model_info", self.model_info),
-                              ("/get_server_info", self.server_info), ("/server_info", self.server_info),
-                              ("/get_weight_version", self.get_weight_version),
-                              ("/flush_cache", self.flush_cache), ("/v1/models", self.v1_models)]:
-            r.add_get(path, handler)
-            r.add_post(path, handler)
-        for path, handler in [("/abort_request", self.abort_request),
-                              ("/update_weights_from_tensor", self.update_weights_from_tensor),
-                              ("/init_weights_update_group", self.init_weights_update_group),
-                              ("/destroy_weights_update_group", self.destroy_weights_update_group),
-                              ("/update_weights_from_distributed", self.update_weights_from_distributed),
-                              ("/update_weights_from_disk", self.update_weights_from_disk),
-                              ("/release_memory_occupation", self.release_memory),
-                              ("/resume_memory_occupation", self.resume_memory),
-                              ("/pause_generation", self.pause_generation),
-                              ("/continue_generation", self.continue_generation),
-                              ("/get_weights_by_name", self.get_weights_by_name),
-                              ("/v1/chat/completions", self.chat_completions)]:
-            r.add_post(path, handler)
+        for method, path, handler in routes(self.contract_version):
+            app.router.add_route(method, path, getattr(self, handler))
         return app
 
     @web.middleware
@@ -192,6 +218,9 @@ class Server:
         except BadRequest as exc:
             return _error(str(exc), 400)
         except web.HTTPException as exc:  # unknown route / wrong method -> JSON, not HTML
+            if exc.status == 404 and request.path in ("/get_weight_version", "/weight_version"):
+                return _error(f"Endpoint '{request.path}' is deprecated. Please use "
+                              "'/model_info' instead.", 404)
             if exc.status == 404:
                 return _error(f"unknown route {request.method} {request.path}", 404)
             return _error(f"{exc.reason} for {request.method} {request.path}", exc.status)
@@ -258,9 +287,9 @@ class Server:
 
     async def _run(self, ids: list[int], sp: dict, rid: str, return_logprob: bool,
                    group_rid: Optional[str] = None) -> Request:
-        if self.weights_need_update:
-            raise web.HTTPServiceUnavailable(reason="weights were released; update weights "
-                                                    "after /resume_memory_occupation")
+        if self.weights_need_update or self.released_tags:
+            raise web.HTTPServiceUnavailable(reason="memory released; /resume_memory_occupation "
+                                                    "and push weights before generating")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -393,7 +422,7 @@ class Server:
         return web.Response(text="")
 
     async def health_generate(self, request):
-        if self.weights_need_update:
+        if self.weights_need_update or self.released_tags:
             return _error("weights released", 503)
         sp = self._sampling({"max_new_tokens": 1, "temperature": 0})
         await self._run([self.eos_ids and min(self.eos_ids) or 0], sp, "health-" + uuid.uuid4().hex, False)
@@ -407,7 +436,8 @@ class Server:
                       "architectures": getattr(self.model.config, "architectures", None)})
 
     async def server_info(self, request):
-        return _json({"engine": "homegym-hf", "version": "homegym-hf", "model_path": self.model_path,
+        return _json({"version": self.contract_version, "engine": "homegym-hf",
+                      "model_path": self.model_path,
                       "context_length": self.max_context_len, "max_context_len": self.max_context_len,
                       "dtype": self.args.dtype, "weight_version": self.batcher.weight_version,
                       "num_running_reqs": self.batcher.num_running, "paused": self.batcher.paused,
@@ -422,12 +452,18 @@ class Server:
         return _json({"object": "list", "data": [{"id": self.model_path, "object": "model",
                                                   "owned_by": "homegym"}]})
 
-    async def get_weight_version(self, request):
-        return _json({"weight_version": self.batcher.weight_version})
+    def _flush_if_idle(self) -> bool:
+        """On the scheduler thread: clear the prefix cache unless requests are pending
+        (SGLang's rule: a flush never drops KV that a request is still using)."""
+        if self.batcher.num_running:
+            return False
+        self.batcher.prefix_cache.clear()
+        return True
 
     async def flush_cache(self, request):
-        await self.on_scheduler(self.batcher.prefix_cache.clear)
-        return _json({"success": True, "message": "prefix cache flushed"})
+        if not await self.on_scheduler(self._flush_if_idle):
+            return web.Response(text=f"Cache not flushed: {BUSY}\n", status=400)
+        return web.Response(text="Cache flushed.\n")
 
     async def pause_generation(self, request):
         body = await _body(request)
@@ -449,15 +485,38 @@ class Server:
         name = body.get("name")
         sd = self.model.state_dict()
         if name not in sd:
-            raise BadRequest(f"unknown parameter {name!r}")
+            return _error("Get parameter by name failed", 400)
         t = sd[name].to(torch.float32)
         trunc = int(body.get("truncate_size", 100))
         return _json(t[:trunc].tolist())
 
+    async def begin_weight_update(self, request):
+        await _body(request)
+        if self.weight_session:
+            return _json({"success": False, "message": "a weight-update session is already "
+                          "open; call end_weight_update() first"}, 400)
+        self.weight_session = True
+        return _json({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, request):
+        await _body(request)
+        if not self.weight_session:
+            return _json({"success": False, "message": "no weight-update session is open; "
+                          "call begin_weight_update() first"}, 400)
+        self.weight_session = False
+        return _json({"success": True, "message": "Success"})
+
+    def _check_session(self, route: str) -> None:
+        if self.contract_version in SESSION_VERSIONS and not self.weight_session:
+            raise BadRequest(f"{route} must run between begin_weight_update() and "
+                             "end_weight_update()")
+
     # ---- weights ----
-    def _apply(self, named: list[tuple[str, torch.Tensor]], expected: Optional[float],
-               version: Optional[str]) -> dict:
-        """Validate everything, then copy: a bad update leaves the old weights untouched."""
+    def _apply(self, named: list[tuple[str, torch.Tensor]], body: dict) -> dict:
+        """Validate everything, then copy: a bad update leaves the old weights untouched.
+        Then flush the prefix cache if asked (SGLang's default), which fails the call
+        when requests are pending."""
+        version = body.get("weight_version")
         if self.released_shapes is not None:
             raise BadRequest("weights are released; call /resume_memory_occupation first")
         sd = self.model.state_dict()
@@ -467,12 +526,6 @@ class Server:
             if tuple(sd[name].shape) != tuple(tensor.shape):
                 raise BadRequest(f"shape mismatch for {name}: engine {tuple(sd[name].shape)}, "
                                  f"update {tuple(tensor.shape)}")
-        if expected is not None:
-            got = checksum(t for _, t in named)
-            if not checksums_match(float(expected), got):
-                raise BadRequest(f"checksum mismatch: expected {expected!r}, received tensors sum "
-                                 f"to {got!r}; weights not updated (still version "
-                                 f"{self.batcher.weight_version!r})")
         with torch.no_grad():
             for name, tensor in named:
                 sd[name].copy_(tensor)
@@ -481,6 +534,8 @@ class Server:
             self.batcher.weight_version = str(version)
         self.batcher.note_weight_update(None if version is None else self.batcher.weight_version)
         self.weights_need_update = False
+        if body.get("flush_cache", True) and self.batcher.num_running:
+            raise BadRequest(f"Weights were updated, but the cache was not flushed because {BUSY}")
         return {"success": True, "message": f"updated {len(named)} tensors",
                 "weight_version": self.batcher.weight_version}
 
@@ -492,23 +547,17 @@ class Server:
 
     async def update_weights_from_tensor(self, request):
         body = await _body(request)
+        self._check_session("update_weights_from_tensor")
         payload = body.get("serialized_named_tensors")
-        if isinstance(payload, list):
-            if not payload:
-                raise BadRequest("serialized_named_tensors is empty")
-            payload = payload[0]  # one entry per TP rank; CPU engines have one rank
-        if not isinstance(payload, str):
-            raise BadRequest("serialized_named_tensors must be a base64 string or a list of them")
-        fmt = body.get("load_format")
-        if fmt not in (None, "direct", "default"):
-            raise BadRequest(f"load_format {fmt!r} is not supported by the hf engine")
-        try:
-            named = MultiprocessingSerializer.deserialize(payload)
+        if not (isinstance(payload, list) and payload and all(isinstance(p, str) for p in payload)):
+            raise BadRequest("serialized_named_tensors must be a non-empty list of base64 "
+                             "strings, one per TP rank")
+        try:  # one entry per TP rank; this engine has one rank
+            named = deserialize_named_tensors(payload[0], body.get("load_format"))
         except Exception as exc:
             raise BadRequest(f"could not deserialize serialized_named_tensors: {exc}") from None
         named = [(str(n), t) for n, t in named]
-        return await self._weights_call(lambda: self._apply(named, body.get("checksum"),
-                                                            body.get("weight_version")))
+        return await self._weights_call(lambda: self._apply(named, body))
 
     async def update_weights_from_disk(self, request):
         body = await _body(request)
@@ -533,8 +582,7 @@ class Server:
             return list(sd.items())
 
         named = await asyncio.to_thread(load)
-        return await self._weights_call(lambda: self._apply(named, body.get("checksum"),
-                                                            body.get("weight_version")))
+        return await self._weights_call(lambda: self._apply(named, body))
 
     async def init_weights_update_group(self, request):
         body = await _body(request)
@@ -568,6 +616,7 @@ class Server:
         import torch.distributed as dist
 
         body = await _body(request)
+        self._check_session("update_weights_from_distributed")
         name = body.get("group_name", "weight_update_group")
         pg = self.groups.get(name)
         if pg is None:
@@ -589,41 +638,53 @@ class Server:
                 t = torch.empty(tuple(s), dtype=d)
                 dist.broadcast(t, src=0, group=pg)
                 named.append((n, t))
-            return self._apply(named, body.get("checksum"), body.get("weight_version"))
+            return self._apply(named, body)
 
         return await self._weights_call(receive)
 
+    @staticmethod
+    def _tags(body: dict) -> set[str]:
+        tags = body.get("tags")
+        if tags is None or tags == []:
+            return set(MEMORY_TAGS)
+        if not (isinstance(tags, list) and set(tags) <= set(MEMORY_TAGS)):
+            raise BadRequest(f"tags must be null or a list of {', '.join(MEMORY_TAGS)}")
+        return set(tags)
+
     async def release_memory(self, request):
-        await _body(request)  # a malformed body is still a 400
+        tags = self._tags(await _body(request))
 
         def release():
-            self.batcher.reset_batch("memory released")
-            self.batcher.drop_weight_copies()
-            if self.released_shapes is None:
+            if self.batcher.num_running:
+                raise BadRequest("release_memory_occupation should be called only when "
+                                 "server is idle.")
+            if "kv_cache" in tags:
+                self.batcher.reset_batch("memory released")
+                self.batcher.prefix_cache.clear()
+            if "weights" in tags and self.released_shapes is None:
+                self.batcher.drop_weight_copies()
                 shapes = {}
                 for n, p in self.model.named_parameters():
                     shapes[n] = (p.shape, p.dtype)
                     p.data = torch.empty(0, dtype=p.dtype)
                 self.released_shapes = shapes
+            self.released_tags |= tags
             self.batcher.released = True
-            return {"success": True, "message": "weights and KV cache released"}
+            return None
 
         import gc
-        out = await self.on_scheduler(release)
+        await self.on_scheduler(release)
         # A full collection costs ~0.1-0.7 s in a process holding torch + transformers; it
         # only matters when the released weights are big (refcounting frees the rest).
         if sum(s.numel() * d.itemsize for s, d in (self.released_shapes or {}).values()) > 256 << 20:
             gc.collect()
-        return _json(out)
+        return _json(None)
 
     async def resume_memory(self, request):
-        body = await _body(request)
-        tags = body.get("tags")
-        if tags is not None and not (isinstance(tags, list) and set(tags) <= {"weights", "kv_cache"}):
-            raise BadRequest("tags must be null or a list of 'weights' / 'kv_cache'")
+        tags = self._tags(await _body(request))
 
         def resume():
-            if self.released_shapes is not None and (tags is None or "weights" in tags):
+            if self.released_shapes is not None and "weights" in tags:
                 # Like SGLang without a CPU backup, the weights come back allocated but not
                 # loaded: the trainer must push weights before the next generate.
                 params = dict(self.model.named_parameters())
@@ -631,11 +692,12 @@ class Server:
                     params[n].data = torch.zeros(shape, dtype=dtype)
                 self.released_shapes = None
                 self.weights_need_update = True
-            if self.released_shapes is None:
-                self.batcher.released = False
-            return {"success": True}
+            self.released_tags -= tags
+            self.batcher.released = bool(self.released_tags)
+            return None
 
-        return _json(await self.on_scheduler(resume))
+        await self.on_scheduler(resume)
+        return _json(None)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -657,6 +719,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefix-cache-mb", type=float, default=256,
                    help="KV of finished sequences kept for multi-turn prompts (0 = off)")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--contract-version", default=PINNED_SGLANG_VERSION,
+                   choices=SUPPORTED_SGLANG_VERSIONS,
+                   help="the SGLang version whose HTTP contract to serve")
     args = p.parse_args(argv)
     if args.torch_threads < 1:
         p.error("--torch-threads must be >= 1")

@@ -2,7 +2,10 @@
 
 - ``backend.MegatronBackend``: the TrainBackend protocol over megatron-core;
 - ``hf_map``: HF <-> Megatron config and weights for Llama / Qwen2 / Qwen3 checkpoints;
-- ``model``: parallel state, GPTModel construction, weight loading, vocab-parallel log-probs;
+- ``model``: parallel state, the layer spec / fused-kernel plan, GPTModel construction,
+  weight loading, vocab-parallel log-probs;
+- ``offload``: moving everything a rank holds on its device to host memory and back,
+  storage by storage (Megatron's parameters and main params are views into buffers);
 - ``cpu_shim``: the torch.cuda patches that let megatron-core run on CPU (tests/debugging
   only; applied by the backend when no CUDA device is present).
 

@@ -16,14 +16,22 @@ one row (THD, ``PackedSeqParams`` with cu_seqlens, no padding); with the local l
 (CPU, or no TE) samples are right-padded rows with a causal mask, which is exact for the
 real tokens (padding only ever follows them).
 
+Without Transformer Engine on CUDA the local spec runs with the fusions that need apex or
+TE turned off (``model.kernel_plan``, one warning line); ``train.sequence_parallel`` then
+is refused at init. Collectives put their tensors where the group's backend wants them
+(``collective_device``: the current CUDA device under NCCL, CPU under gloo). ``offload``
+frees everything the rank holds on its device (``offload.StateOffloader``).
+
 On CPU, ``cpu_shim`` patches torch.cuda so megatron-core runs; that path is for testing
 and debugging only.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from collections import OrderedDict
 from typing import Iterator, Optional
 
 import torch
@@ -38,6 +46,39 @@ from trainer.backends.megatron import hf_map
 from trainer.backends.rl_step import (
     micro_batch_advantages, per_sample_log_probs, train_step_metrics)
 from trainer.backends.schedule import lr_at
+
+log = logging.getLogger("homegym.megatron")
+
+
+def device_for_backend(backend: str) -> str:
+    """``"cuda"`` or ``"cpu"``: where a collective's tensors must live for a process group
+    of this torch.distributed backend. NCCL reduces only CUDA tensors; gloo (and MPI)
+    reduce CPU tensors; a multi-device group (``"cpu:gloo,cuda:nccl"``) takes CPU ones."""
+    name = str(backend).lower()
+    if ":" in name:
+        devices = {part.split(":")[0].strip() for part in name.split(",")}
+        return "cpu" if "cpu" in devices else "cuda"
+    return "cuda" if name == "nccl" else "cpu"
+
+
+def collective_device(group=None) -> torch.device:
+    """The device of tensors handed to collectives on ``group`` (None: the world group)."""
+    if device_for_backend(dist.get_backend(group)) == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_metric_sums(sums: dict, keys, *, contributes: bool, group=None) -> dict[str, float]:
+    """Sum over ``group``'s ranks of each metric in ``keys`` (a rank that does not
+    contribute sends zeros). Every rank must pass the same ``keys``. The vector is built
+    and reduced on the group's device (``collective_device``)."""
+    keys = sorted(keys)
+    device = collective_device(group)
+    values = [torch.as_tensor(sums[k] if (contributes and k in sums) else 0.0).detach()
+              .to(device=device, dtype=torch.float64).reshape(()) for k in keys]
+    flat = torch.stack(values) if values else torch.zeros(0, dtype=torch.float64, device=device)
+    dist.all_reduce(flat, group=group)
+    return dict(zip(keys, flat.cpu().tolist()))
 
 
 class MegatronBackend:
@@ -65,9 +106,14 @@ class MegatronBackend:
         from trainer.models import resolve_model_path
 
         train = config.train
-        if train.sequence_parallel and self.cpu:
-            raise ValueError("train.sequence_parallel needs Transformer Engine (GPU); "
-                             "megatron-core's local layer norm does not support it")
+        # Layer spec and fused kernels: decided (and sequence_parallel refused without TE)
+        # before any process group or model exists.
+        self.kernels = M.kernel_plan(device="cpu" if self.cpu else "cuda",
+                                     te_available=M.have_transformer_engine(),
+                                     fused_softmax_available=M.have_apex_fused_softmax(),
+                                     sequence_parallel=train.sequence_parallel)
+        if self.kernels.note and rank == 0:
+            log.warning(self.kernels.note)
         if train.context_parallel_size > 1:
             raise NotImplementedError(
                 "train.context_parallel_size > 1: the THD sequence split across CP ranks is "
@@ -82,8 +128,8 @@ class MegatronBackend:
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         self.is_last = ps.is_pipeline_last_stage()
-        self.use_te = M.have_transformer_engine() and not self.cpu
-        self.packed = self.use_te  # THD packing needs TE's attention
+        self.use_te = self.kernels.use_te
+        self.packed = self.kernels.packed  # THD packing needs TE's attention
 
         path = resolve_model_path(config.model.path, config.model.cache_dir)
         self.model_path = path
@@ -91,7 +137,12 @@ class MegatronBackend:
         self.vocab_size = self.hf.vocab_size
         self.padded_vocab = hf_map.padded_vocab_size(
             self.vocab_size, M.vocab_multiple(self.tp_size, self.cpu))
-        self.tconfig = M.transformer_config(self.hf, train, dtype=config.model.dtype, cpu=self.cpu)
+        self.tconfig = M.transformer_config(self.hf, train, dtype=config.model.dtype, cpu=self.cpu,
+                                            fusions=self.kernels.fusions)
+        # Exported weights (weight sync, HF export) are in the dtype the model trains in
+        # (Float16Module casts the module itself to it; fp32 main params stay internal).
+        self.export_dtype = (torch.bfloat16 if self.tconfig.bf16 else
+                             torch.float16 if self.tconfig.fp16 else torch.float32)
         self.ckpt = M.HFCheckpoint(path)
         self.pad_token_id = getattr(self.hf, "pad_token_id", None) or 0
 
@@ -124,6 +175,10 @@ class MegatronBackend:
         samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
         per_rollout = samples // (train.global_batch_size or samples)
         self.total_optimizer_steps = max(train.num_steps * per_rollout, 1)
+        from trainer.backends.megatron.offload import StateOffloader
+
+        self.offloader = StateOffloader(self.device, pin=not self.cpu)
+        self.last_offload: Optional[dict] = None  # bytes moved, allocated before/after
 
     def _build(self, *, trainable: bool):
         from trainer.backends.megatron import model as M
@@ -247,6 +302,7 @@ class MegatronBackend:
 
     def log_probs(self, batch: BatchLike) -> list[torch.Tensor]:
         check_batch(batch)
+        self._ensure_onloaded()
         plan = self._plan(batch, None)[0]
         mbs = [build_micro_batch(batch, ids, pad_token_id=self.pad_token_id) for ids in plan]
         lps = self._forward_log_probs(self.model, mbs)
@@ -268,17 +324,15 @@ class MegatronBackend:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def _all_reduce_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Sum over DP ranks of the last stage's metrics (TP ranks hold identical copies)."""
-        keys = sorted(self.config_metric_keys)
+    def _all_reduce_metrics(self, sums: dict[str, torch.Tensor],
+                            keys: Optional[set[str]] = None) -> dict[str, float]:
+        """Sum over DP ranks of the last stage's metrics (TP ranks hold identical copies).
+        The world group's device: CUDA under NCCL, CPU under gloo."""
+        keys = self.config_metric_keys if keys is None else keys
         unknown = set(sums) - set(keys)
         if unknown:  # every rank must all-reduce the same vector: keep the list complete
             raise RuntimeError(f"metrics {sorted(unknown)} missing from config_metric_keys")
-        contributes = self.is_last and self.tp_rank == 0
-        flat = torch.tensor([float(sums[k]) if (contributes and k in sums) else 0.0
-                             for k in keys], dtype=torch.float64)
-        dist.all_reduce(flat)
-        return {k: float(v) for k, v in zip(keys, flat)}
+        return all_reduce_metric_sums(sums, keys, contributes=self.is_last and self.tp_rank == 0)
 
     @property
     def config_metric_keys(self) -> set[str]:
@@ -298,6 +352,7 @@ class MegatronBackend:
     def train_step(self, batch: BatchLike) -> dict[str, float]:
         start = time.perf_counter()
         check_batch(batch)
+        self._ensure_onloaded()
         algo, train = self.config.algo, self.config.train
         if algo.policy_loss == "sft":
             return self.sft_step(batch)
@@ -357,6 +412,7 @@ class MegatronBackend:
     def sft_step(self, batch: BatchLike) -> dict[str, float]:
         start = time.perf_counter()
         check_batch(batch)
+        self._ensure_onloaded()
         plan = self._plan(batch, None)[0]
         mbs = [build_micro_batch(batch, ids, pad_token_id=self.pad_token_id) for ids in plan]
         norms = step_norms(batch, range(len(batch.tokens)))
@@ -377,12 +433,7 @@ class MegatronBackend:
         self._run(self.model, mbs, loss_fn, forward_only=False)
         grad_norm = self._optimizer_step()
         self.sft_steps += 1
-        keys = {"train/sft_loss"}
-        contributes = self.is_last and self.tp_rank == 0
-        flat = torch.tensor([float(sums.get(k, 0.0)) if contributes else 0.0 for k in sorted(keys)],
-                            dtype=torch.float64)
-        dist.all_reduce(flat)
-        out = dict(zip(sorted(keys), flat.tolist()))
+        out = self._all_reduce_metrics(sums, {"train/sft_loss"})
         out.update({"train/grad_norm": grad_norm, "train/lr": self.config.warmup.lr,
                     "perf/train_time": time.perf_counter() - start})
         return out
@@ -410,9 +461,13 @@ class MegatronBackend:
         # HF order: embedding, layers, norm, lm_head (stage order already gives it).
         return layout
 
-    def named_weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+    def named_weight_buckets(self, bucket_bytes: int,
+                             device: str = "cpu") -> Iterator[NamedTensors]:
         """Full HF-named tensors (TP shards gathered, PP stages broadcast) in ~bucket_bytes
-        buckets, on every rank. Collective: every rank must drain the iterator."""
+        buckets, on every rank, as copies on ``device`` in the training dtype
+        (``model.dtype``: bf16 when the model trains in bf16, fp32 when it is fp32).
+        Works while offloaded (reads the host copies). Collective: every rank must drain
+        the iterator."""
         from trainer.backends.megatron import model as M
 
         if bucket_bytes <= 0:
@@ -422,20 +477,29 @@ class MegatronBackend:
         local = {hf_map.global_name(n, offset): p for n, p in params.items()}
         tied = bool(self.hf.tie_word_embeddings)
         pp_group = self.ps.get_pipeline_model_parallel_group()
+        tp_device = collective_device(self.ps.get_tensor_model_parallel_group())
+        # PP stages send their tensors as pickled CPU tensors (broadcast_object_list).
+        stage_device = "cpu" if self.pp_size > 1 else device
         bucket: NamedTensors = []
         size = 0
         for stage, name in self._hf_layout:
             if stage == self.pp_rank:
-                full = M.gather_tp(name, local[name].detach())
+                # Offloaded (weights are pushed to colocated engines after `offload`): the
+                # host copy; a TP gather moves one shard at a time to the TP group's device.
+                shard = self.offloader.host_view(local[name].detach())
+                if self.tp_size > 1 and hf_map.tp_split_dim(name) is not None:
+                    shard = shard.to(tp_device)
+                full = M.gather_tp(name, shard)
                 pairs = hf_map.to_hf(self.hf, name, full, te_names=self.use_te, tied=tied)
-                pairs = [(n, t.to("cpu", copy=True).contiguous()) for n, t in pairs]
+                pairs = [(n, t.to(stage_device, dtype=self.export_dtype, copy=True).contiguous())
+                         for n, t in pairs]
             else:
                 pairs = None
             if self.pp_size > 1:
                 obj = [pairs]
                 dist.broadcast_object_list(obj, src=dist.get_global_rank(pp_group, stage),
                                            group=pp_group)
-                pairs = obj[0]
+                pairs = [(n, t.to(device)) for n, t in obj[0]]
             for hf_name, tensor in pairs:
                 nbytes = tensor.numel() * tensor.element_size()
                 if bucket and size + nbytes > bucket_bytes:
@@ -454,7 +518,8 @@ class MegatronBackend:
         """Per-rank files: model shard, this rank's optimizer shard, counters and RNG.
         Reloading needs the same (TP, PP, DP) layout; HF export is the portable format."""
         os.makedirs(path, exist_ok=True)
-        state = {"model": self.gpt.state_dict(), "optimizer_steps": self.optimizer_steps,
+        host = self._host_copy  # works offloaded too (reads the host copies)
+        state = {"model": host(self.gpt.state_dict()), "optimizer_steps": self.optimizer_steps,
                  "sft_steps": self.sft_steps, "cpu_rng": torch.get_rng_state(),
                  "layout": (self.tp_size, self.pp_size, self.dp_size)}
         # Per rank, the inner torch optimizer over this rank's main-parameter shards: its
@@ -464,13 +529,39 @@ class MegatronBackend:
         opts = []
         for opt in self._optimizers():
             inner = opt.optimizer
-            mains = [p.detach().clone() for g in inner.param_groups for p in g["params"]]
-            opts.append({"inner": inner.state_dict(), "main_params": mains})
+            mains = [host(p.detach()) for g in inner.param_groups for p in g["params"]]
+            opts.append({"inner": host(inner.state_dict()), "main_params": mains})
         state["optimizers"] = opts
         torch.save(state, os.path.join(path, f"megatron_rank{self.rank}.pt"))
         dist.barrier()
 
+    def _host_copy(self, obj):
+        """``obj`` (nested dicts/lists of tensors) with every tensor as a CPU copy; while
+        offloaded, read from the offloaded bytes."""
+        if isinstance(obj, torch.Tensor):
+            return self.offloader.host_view(obj).detach().to("cpu", copy=True)
+        if isinstance(obj, dict):
+            out = {k: self._host_copy(v) for k, v in obj.items()}
+            if isinstance(obj, OrderedDict):  # a module state_dict: keep its _metadata
+                out = OrderedDict(out)
+                if hasattr(obj, "_metadata"):
+                    out._metadata = obj._metadata
+            return out
+        if type(obj) in (list, tuple):
+            return type(obj)(self._host_copy(v) for v in obj)
+        return obj
+
     def load(self, path: str) -> None:
+        if self.offloader.offloaded:  # restore into device memory, then give it back
+            self.onload()
+            try:
+                self._load(path)
+            finally:
+                self.offload()
+            return
+        self._load(path)
+
+    def _load(self, path: str) -> None:
         file = os.path.join(path, f"megatron_rank{self.rank}.pt")
         if not os.path.exists(file):
             raise ValueError(f"{path!r} is not a Megatron checkpoint directory (no {file})")
@@ -482,7 +573,10 @@ class MegatronBackend:
         self.gpt.load_state_dict(state["model"], strict=True)
         for opt, entry in zip(self._optimizers(), state["optimizers"]):
             inner = opt.optimizer
-            inner.load_state_dict(entry["inner"])
+            # Own copies: torch.optim keeps loaded tensors that already have the param's
+            # device/dtype as they are, and torch.load's CPU storages cannot be resized
+            # (offload frees storages by resizing them).
+            inner.load_state_dict(self._host_copy(entry["inner"]))
             mains = [p for g in inner.param_groups for p in g["params"]]
             with torch.no_grad():
                 for p, saved in zip(mains, entry["main_params"], strict=True):
@@ -494,28 +588,55 @@ class MegatronBackend:
         dist.barrier()
 
     # ----------------------------------------------------------------- memory
+    def _offload_roots(self) -> list:
+        """Everything this rank holds on its device: the DDP-wrapped policy (parameters,
+        DDP's contiguous param/grad buffers and their bucket views, main_grad), the frozen
+        reference, and the optimizer(s) (fp32 main params, Adam moments, scaler state)."""
+        return [r for r in (self.model, self.gpt, self.ref, self.optimizer) if r is not None]
+
     def offload(self) -> None:
-        """GPU: move the Adam moments to host memory. Model weights, fp32 main params and
-        DDP grad buffers stay on the GPU: Megatron's parameters (and fp32 main params) are
-        views into contiguous buffers that ``module.to()`` would silently detach; freeing
-        them needs torch_memory_saver-style buffer release (not done yet). CPU: no-op."""
-        if self.cpu:
+        """Move everything this rank holds on its device to host memory (pinned on CUDA),
+        storage by storage so Megatron's views stay valid (``offload.StateOffloader``);
+        gradients are dropped (they come back zeroed; every step zeroes them first). While
+        offloaded, ``named_weight_buckets`` and ``save`` read the host copies; ``load``
+        and the training/forward methods onload first. On CPU the same code runs (the
+        host copy is ordinary memory: it frees nothing overall, it keeps the path tested)."""
+        if self.offloader.offloaded:
             return
-        self._move_optimizer("cpu")
-        torch.cuda.empty_cache()
+        before = self._allocated()
+        self._drop_caches()
+        freed = self.offloader.offload(self._offload_roots())
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.last_offload = {"offloaded_bytes": freed, "allocated_before": before,
+                             "allocated_after": self._allocated()}
+        log.info("megatron rank %d offload: %.2f GiB of state to host; allocated %.2f -> "
+                 "%.2f GiB", self.rank, freed / 2**30, before / 2**30,
+                 self.last_offload["allocated_after"] / 2**30)
 
     def onload(self) -> None:
-        if self.cpu:
-            return
-        self._move_optimizer(self.device)
+        self.offloader.onload()
 
-    def _move_optimizer(self, device) -> None:
-        for opt in self._optimizers():
-            inner = getattr(opt, "optimizer", None)
-            if inner is None:
-                continue
-            for st in inner.state.values():
-                for key, value in st.items():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        st[key] = value.to(device, non_blocking=True)
-        torch.cuda.synchronize()
+    def _ensure_onloaded(self) -> None:
+        if self.offloader.offloaded:
+            log.warning("megatron rank %d: called while offloaded; onloading first", self.rank)
+            self.onload()
+
+    def _allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    @staticmethod
+    def _drop_caches() -> None:
+        """Device tensors megatron-core caches outside the model: RoPE tables (an
+        ``lru_cache`` on ``RotaryEmbedding.forward``, one per sequence length seen,
+        models/common/embeddings/rotary_pos_embedding.py) and the global all-gather buffer
+        (parallel_state.get_global_memory_buffer, used by sequence parallelism). Both are
+        rebuilt on demand."""
+        from megatron.core import parallel_state
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        RotaryEmbedding.forward.cache_clear()
+        try:
+            parallel_state.get_global_memory_buffer().buffer.clear()
+        except AssertionError:  # not initialised
+            pass

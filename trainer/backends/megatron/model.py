@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -19,11 +20,88 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def have_transformer_engine() -> bool:
+    """Transformer Engine importable (its layer spec then also needs a CUDA device)."""
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception:
         return False
-    return torch.cuda.is_available()
+    return True
+
+
+def have_apex_fused_softmax() -> bool:
+    """Apex's fused softmax kernels, which ``masked_softmax_fusion`` needs on the local spec:
+    ``megatron/core/fusions/fused_softmax.py`` imports ``scaled_masked_softmax_cuda``
+    (``get_batch_per_block``), ``scaled_upper_triang_masked_softmax_cuda`` (causal) and
+    ``scaled_softmax_cuda`` at call time, so a missing one fails at the first forward."""
+    try:
+        import scaled_masked_softmax_cuda  # noqa: F401
+        import scaled_softmax_cuda  # noqa: F401
+        import scaled_upper_triang_masked_softmax_cuda  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Which layer spec and which fused kernels a rank uses (``kernel_plan``)."""
+
+    use_te: bool  # Transformer Engine layer spec; else megatron-core's local spec
+    fusions: dict  # TransformerConfig fusion flags
+    note: Optional[str] = None  # one line to log when a CUDA run falls back to the local spec
+
+    @property
+    def packed(self) -> bool:
+        """THD packing of a micro-batch's samples needs TE's attention (cu_seqlens)."""
+        return self.use_te
+
+
+def kernel_plan(*, device: str, te_available: bool, fused_softmax_available: bool,
+                sequence_parallel: bool) -> KernelPlan:
+    """Layer spec and TransformerConfig fusion flags for (device, what is installed, config).
+
+    Read off megatron-core 0.16's source, for the Llama-family models mapped here
+    (RMSNorm, no linear biases, no dropout, SwiGLU, RoPE):
+
+    - local spec (``models/gpt/gpt_layer_specs.py::get_gpt_layer_local_spec`` with RMSNorm):
+      norms are ``transformer/torch_norm.py::WrappedTorchNorm`` (torch RMSNorm), which
+      asserts ``not persist_layer_norm``, ``not sequence_parallel`` and
+      ``not memory_efficient_layer_norm``; attention is ``DotProductAttention`` whose
+      ``masked_softmax_fusion`` calls apex's softmax kernels (``have_apex_fused_softmax``);
+    - ``gradient_accumulation_fusion``: the local linears need apex's
+      ``fused_weight_gradient_mlp_cuda`` (``tensor_parallel/layers.py``): off;
+    - ``apply_rope_fusion``: TE's fused RoPE (``models/common/embeddings/rope_utils.py``
+      asserts it is importable): off (the local spec cannot use it; not enabled on TE);
+    - ``bias_dropout_fusion``: ``fusions/fused_bias_dropout.py`` under ``jit.py``'s
+      ``torch.compile``; with no bias and dropout 0 it is a plain residual add, so the
+      compiled version buys nothing and costs a compile (triton, a C compiler) per new
+      micro-batch shape: off;
+    - ``bias_activation_fusion``: there is no FC1 bias to fuse: off.
+
+    ``train.sequence_parallel`` without TE is refused here, naming the key, instead of
+    megatron's assertion deep inside model construction.
+    """
+    cuda = device == "cuda"
+    use_te = cuda and te_available
+    if sequence_parallel and not use_te:
+        why = "this run has no CUDA device" if not cuda else "transformer_engine is not installed"
+        raise ValueError(
+            "train.sequence_parallel=true needs Transformer Engine's layer spec "
+            f"({why}): megatron-core's local spec normalises with torch RMSNorm "
+            "(megatron/core/transformer/torch_norm.py), which does not support sequence "
+            "parallelism. Install transformer-engine or set train.sequence_parallel=false.")
+    softmax = cuda and not use_te and fused_softmax_available
+    fusions = dict(masked_softmax_fusion=softmax, bias_dropout_fusion=False,
+                   apply_rope_fusion=False, gradient_accumulation_fusion=False,
+                   bias_activation_fusion=False, persist_layer_norm=False,
+                   memory_efficient_layer_norm=False)
+    note = None
+    if cuda and not use_te:
+        note = ("megatron: transformer_engine is not installed: using megatron-core's local "
+                "layer spec (torch RMSNorm, padded micro-batches instead of THD packing, "
+                + ("apex fused softmax" if softmax else "unfused softmax: no apex kernels")
+                + "; no sequence parallelism)")
+    return KernelPlan(use_te=use_te, fusions=fusions, note=note)
 
 
 def initialize_parallel(train, *, seed: int) -> None:
@@ -40,7 +118,7 @@ def initialize_parallel(train, *, seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def transformer_config(hf, train, *, dtype: str, cpu: bool):
+def transformer_config(hf, train, *, dtype: str, cpu: bool, fusions: dict):
     from megatron.core.transformer import TransformerConfig
 
     params_dtype = _DTYPES[dtype]
@@ -66,26 +144,29 @@ def transformer_config(hf, train, *, dtype: str, cpu: bool):
         # also what marks weights `tensor_model_parallel` (without it, grad-norm and
         # clipping count TP-sharded weights on TP rank 0 only).
         perform_initialization=True,
-        # Fused kernels need CUDA (and Apex/TE); they are numerically the same ops.
-        bias_dropout_fusion=not cpu,
-        masked_softmax_fusion=not cpu,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        persist_layer_norm=False,
+        **fusions,  # kernel_plan: what the layer spec and the installed kernels allow
         recompute_granularity="full" if train.gradient_checkpointing else None,
         recompute_method="uniform" if train.gradient_checkpointing else None,
         recompute_num_layers=1 if train.gradient_checkpointing else None,
     )
 
 
-def layer_spec(config, *, use_te: bool):
+def layer_spec(config, *, use_te: bool, num_layers: int):
+    """The decoder spec. TE: its layer spec. Local: a whole-block spec that names the final
+    norm too, because for a bare layer spec ``transformer/transformer_block.py`` picks the
+    final norm from what is importable (``LayerNormImpl``: TENorm if TE, else apex's
+    FusedLayerNorm, which asserts ``normalization == "LayerNorm"`` and so breaks RMSNorm
+    models on a CUDA box with apex but no TE)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=WrappedTorchNorm)
 
 
 def vocab_multiple(tp: int, cpu: bool) -> int:
@@ -96,8 +177,10 @@ def build_gpt(hf, config, *, use_te: bool, padded_vocab: int):
     """This pipeline stage's GPTModel (float32 parameters, uninitialised)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    return GPTModel(config=config, transformer_layer_spec=layer_spec(config, use_te=use_te),
+    spec = layer_spec(config, use_te=use_te, num_layers=get_num_layers_to_build(config))
+    return GPTModel(config=config, transformer_layer_spec=spec,
                     pre_process=parallel_state.is_pipeline_first_stage(),
                     post_process=parallel_state.is_pipeline_last_stage(),
                     parallel_output=True, **hf_map.model_kwargs(hf, padded_vocab))

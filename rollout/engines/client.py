@@ -1,0 +1,226 @@
+"""The admin side of SGLang's HTTP contract, as one client for every engine kind.
+
+homegym supports exactly the SGLang versions in ``SUPPORTED_SGLANG_VERSIONS``; the CPU
+engine (rollout/engines/hf) serves the pinned one's contract. The client asks a server its
+version once (``/get_server_info`` -> ``version``) and refuses any other, so a version
+whose routes homegym has not been checked against (tests/test_sglang_contract.py reads
+each supported wheel's own source) fails at start-up, not in the middle of a run.
+
+What differs between the supported versions, and is handled here:
+- 0.5.23 refuses ``update_weights_from_tensor`` / ``_from_distributed`` outside a session
+  opened by ``/begin_weight_update`` and closed by ``/end_weight_update``
+  (``weight_update_session``); 0.5.18 has no such routes.
+Both: the served weight version is ``/model_info``'s ``weight_version``
+(``/get_weight_version`` is a 404); unknown request keys are dropped silently, so nothing
+homegym-only is ever sent; a weight update with ``flush_cache: true`` fails (0.5.23) or
+kills the scheduler (0.5.18, an assert) when any request is queued, so updates never flush
+and ``flush_cache`` is called once, after the last bucket, retried until the server is idle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator, Optional
+
+import requests
+
+PINNED_SGLANG_VERSION = "0.5.18"
+SUPPORTED_SGLANG_VERSIONS = ("0.5.18", "0.5.23")
+# Versions whose tensor/distributed weight updates must run inside a session.
+_SESSION_VERSIONS = frozenset({"0.5.23"})
+
+
+class EngineError(RuntimeError):
+    """An engine or the router answered with an error, or stayed unreachable.
+
+    ``status`` is the HTTP status (None when unreachable); ``engine`` and ``route`` say
+    where, so a failure in a fan-out over many engines names the one that failed."""
+
+    def __init__(self, message: str, *, status: Optional[int] = None,
+                 engine: Optional[str] = None, route: Optional[str] = None):
+        where = " ".join(p for p in (engine, route) if p)
+        super().__init__(f"{where}: {message}" if where else message)
+        self.status, self.engine, self.route, self.message = status, engine, route, message
+
+
+class UnsupportedEngineVersion(EngineError):
+    pass
+
+
+def check_version(version: str, *, engine: str = "engine") -> str:
+    if version not in SUPPORTED_SGLANG_VERSIONS:
+        raise UnsupportedEngineVersion(
+            f"serves SGLang {version!r}; homegym supports SGLang "
+            f"{', '.join(SUPPORTED_SGLANG_VERSIONS)} (pinned: {PINNED_SGLANG_VERSION}). "
+            f"Install one of them (pip install sglang=={PINNED_SGLANG_VERSION})", engine=engine)
+    return version
+
+
+class EngineClient:
+    """HTTP admin calls to one engine (SGLang, or homegym's CPU engine serving its contract).
+
+    Usable anywhere a URL is reachable: the engine's supervising actor, a training rank
+    that streams weights to the engines, a test."""
+
+    def __init__(self, url: str, api_key: Optional[str] = None, *, name: str = "engine",
+                 timeout_s: float = 600.0):
+        self.url = url.rstrip("/")
+        self.name = name
+        self.timeout_s = timeout_s
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.session = requests.Session()
+        self._version: Optional[str] = None
+        self._weights_by_name: Optional[bool] = None  # None: not asked yet
+
+    def __getstate__(self) -> dict:  # shipped to Ray actors: a Session does not pickle
+        state = dict(self.__dict__)
+        state.pop("session")
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.session = requests.Session()
+
+    # ---- plumbing ----
+    def call(self, route: str, payload: Optional[dict] = None, *, method: str = "POST",
+             timeout_s: Optional[float] = None) -> Any:
+        try:
+            r = self.session.request(method, self.url + route, json=payload, headers=self.headers,
+                                     timeout=timeout_s or self.timeout_s)
+        except requests.RequestException as err:
+            raise EngineError(f"unreachable at {self.url}: {err}", engine=self.name,
+                              route=route) from err
+        try:
+            data = r.json()
+        except ValueError:
+            data = r.text
+        failed = isinstance(data, dict) and data.get("success") is False
+        if r.status_code >= 300 or failed:
+            raise EngineError(f"HTTP {r.status_code}: {_message(data)}", status=r.status_code,
+                              engine=self.name, route=route)
+        return data
+
+    # ---- version ----
+    def server_info(self) -> dict:
+        return self.call("/server_info", method="GET")
+
+    def version(self) -> str:
+        """The SGLang version the server reports, checked against the supported ones."""
+        if self._version is None:
+            self._version = check_version(str(self.server_info().get("version")), engine=self.name)
+        return self._version
+
+    @property
+    def uses_weight_update_sessions(self) -> bool:
+        return self.version() in _SESSION_VERSIONS
+
+    # ---- weights ----
+    @contextlib.contextmanager
+    def weight_update_session(self) -> Iterator[None]:
+        """Wrap tensor/distributed updates: a session where the server needs one (0.5.23),
+        nothing where it has none. The session is closed even when an update fails."""
+        if not self.uses_weight_update_sessions:
+            yield
+            return
+        self.call("/begin_weight_update", {})
+        try:
+            yield
+        finally:
+            self.call("/end_weight_update", {})
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str], *,
+                                   load_format: Optional[str] = None,
+                                   version: Optional[Any] = None) -> dict:
+        """``serialized_named_tensors``: one payload per engine TP rank
+        (rollout.engines.weights_io)."""
+        body: dict = {"serialized_named_tensors": list(serialized_named_tensors),
+                      "load_format": load_format, "flush_cache": False}
+        if version is not None:
+            body["weight_version"] = str(version)
+        return self.call("/update_weights_from_tensor", body)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str, backend: str) -> dict:
+        return self.call("/init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port),
+            "rank_offset": int(rank_offset), "world_size": int(world_size),
+            "group_name": group_name, "backend": backend})
+
+    def destroy_weights_update_group(self, group_name: str) -> dict:
+        return self.call("/destroy_weights_update_group", {"group_name": group_name})
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, *, group_name: str,
+                                        version: Optional[Any] = None) -> dict:
+        body: dict = {"names": list(names),
+                      "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+                      "shapes": [list(s) for s in shapes], "group_name": group_name,
+                      "flush_cache": False}
+        if version is not None:
+            body["weight_version"] = str(version)
+        return self.call("/update_weights_from_distributed", body)
+
+    def update_weights_from_disk(self, model_path: str, *, version: Optional[Any] = None) -> dict:
+        body: dict = {"model_path": model_path, "flush_cache": False}
+        if version is not None:
+            body["weight_version"] = str(version)
+        return self.call("/update_weights_from_disk", body)
+
+    def weight_version(self) -> str:
+        return str(self.call("/model_info", method="GET")["weight_version"])
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Optional[list]:
+        """The first ``truncate_size`` rows of one weight, or None where the server cannot
+        report weights by name (SGLang implements it for some model classes only, e.g.
+        Llama but not Qwen3 in 0.5.18: it answers an error then)."""
+        if self._weights_by_name is False:
+            return None
+        try:
+            out = self.call("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+        except EngineError:
+            if self._weights_by_name is None:
+                self._weights_by_name = False
+                return None
+            raise
+        self._weights_by_name = True
+        return out.get("parameter", out) if isinstance(out, dict) else out
+
+    def flush_cache(self, timeout_s: float = 120.0) -> None:
+        """Flush the prefix cache; the server refuses while requests are pending (they
+        drain on their own once generation is paused or done), so retry until idle."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.02
+        while True:
+            try:
+                self.call("/flush_cache", method="GET", timeout_s=60)
+                return
+            except EngineError as err:
+                if err.status is None or time.monotonic() + delay > deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    # ---- memory and generation control ----
+    def release_memory(self, tags: Optional[list[str]] = None) -> dict:
+        return self.call("/release_memory_occupation", {"tags": tags})
+
+    def resume_memory(self, tags: Optional[list[str]] = None) -> dict:
+        return self.call("/resume_memory_occupation", {"tags": tags})
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        return self.call("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict:
+        return self.call("/continue_generation", {})
+
+    def abort_all(self) -> dict:
+        return self.call("/abort_request", {"abort_all": True})
+
+
+def _message(data: Any) -> str:
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        return str(data.get("message") or err or data.get("detail") or data)
+    return str(data)[:1000]

@@ -1,0 +1,311 @@
+"""The start-up memory plan: hand-computed numbers, refusals, layouts, shipped recipes."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from trainer.api import compose_config
+from trainer.config import ConfigError
+from trainer.memory_plan import (BUILTIN_ARCHS, ENGINE_CONTEXT_GIB, GiB, MemoryPlanError, MiB,
+                                 ModelArch, TRAIN_CONTEXT_GIB, TRAIN_NCCL_GIB, check_memory,
+                                 gpu_capacity, model_arch, plan_memory)
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_RECIPES = sorted(p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml")
+                     if compose_config([f"+recipe={p.stem}"]).cluster.device == "cuda")
+
+# A toy Qwen3-shaped model small enough to count by hand.
+TOY = ModelArch("toy", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                intermediate_size=128, vocab_size=1000, tie_word_embeddings=True)
+# 2 GPUs colocated, 2 prompts x 2 samples, one optimizer step over all 4 samples.
+TOY_OVERRIDES = [
+    "+recipe=qwen_0_6b", "cluster.gpus_per_node=2", "rollout.num_gpus=2", "train.ranks_per_node=2",
+    "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "train.global_batch_size=4",
+    "model.max_context_len=256", "train.max_tokens_per_micro_batch=512",
+    "rollout.max_response_len=16", "env.max_turns=2", "rollout.extra_config.max_turns=2",
+    "rollout.max_concurrency=8", "rollout.mem_fraction_static=0.5",
+]
+
+
+def toy_plan(*extra: str, gib: float = 8.0):
+    return plan_memory(compose_config(TOY_OVERRIDES + list(extra)), arch=TOY, gpu_memory_gib=gib)
+
+
+# --------------------------------------------------------------------- hand counts
+def test_megatron_colocated_numbers_by_hand():
+    plan = toy_plan()
+    # Parameters on one GPU (TP 1, PP 1). Per layer: q,k,v 64 x (4 + 2 + 2) x 16 = 8192,
+    # o 64 x 64 = 4096, gate/up/down 3 x 64 x 128 = 24576; norms 2 x 64 + q/k norms 2 x 16.
+    layer = 8192 + 4096 + 24576 + 160
+    vocab = 1024  # 1000 padded to a multiple of 128 (Megatron, TP 1)
+    p = 2 * layer + vocab * 64 + 64  # tied embeddings + final norm
+    assert p == 139_648
+    training = plan.phase("training")
+    assert training.get("weights") == 2 * p                        # bf16
+    assert training.get("grads") == 4 * p                          # fp32 grad buffer
+    assert training.get("optimizer: fp32 main params") == 4 * p / 2  # DP 2
+    assert training.get("optimizer: Adam moments") == 8 * p / 2
+    # 4 samples / 2 ranks = 2 samples x 256 context = 512 tokens (= the budget);
+    # response tokens: 2 samples x 2 turns x 16 = 64.
+    tokens, response = 512, 64
+    per_token_layer = 8 * 64 + 6 * (4 + 2) * 16 + 8 * 128  # 2112 B = 33 x hidden
+    assert training.get("activations") == tokens * 2 * per_token_layer
+    assert training.get("logits") == vocab * (6 * tokens + 12 * response)
+    assert training.get("trainer runtime") == (TRAIN_CONTEXT_GIB + TRAIN_NCCL_GIB) * GiB
+    # The released engine keeps its CUDA context and workspace (TP 1: no NCCL); weights,
+    # KV cache and decode CUDA graphs are released.
+    assert training.get("engine runtime") == ENGINE_CONTEXT_GIB * GiB
+    for released in ("engine weights", "engine KV cache pool", "engine CUDA graphs"):
+        assert training.get(released) == 0
+    assert training.total == pytest.approx(
+        2 * p + 4 * p + 6 * p + tokens * 2 * per_token_layer
+        + vocab * (6 * tokens + 12 * response) + 1.0 * GiB + 1.0 * GiB)
+
+    rollout = plan.phase("rollout")
+    engine_weights = 2 * (2 * layer + 1000 * 64 + 64)  # SGLang: unpadded vocabulary
+    assert rollout.get("engine weights") == engine_weights
+    assert rollout.get("engine KV cache pool") == 0.5 * 8 * GiB - engine_weights
+    # < 35 GiB GPU: 2048-token prefill chunk x 2 B x (3h + 2 (nh + nkv) hd + 3 I)
+    assert rollout.get("engine prefill activations") == 2048 * 2 * (3 * 64 + 2 * 6 * 16 + 3 * 128)
+    assert rollout.get("engine CUDA graphs") == 256 * 2 * MiB  # TP < 4: batch sizes <= 256
+    # Between training phases Megatron offloads every storage: only the runtime stays.
+    for offloaded in ("weights", "grads", "optimizer: fp32 main params", "optimizer: Adam moments"):
+        assert rollout.get(offloaded) == 0
+    assert rollout.total == pytest.approx(
+        1.0 * GiB + 0.5 * 8 * GiB + ENGINE_CONTEXT_GIB * GiB + 256 * 2 * MiB + 2048 * 1536)
+    assert plan.fits and plan.capacity == 8 * GiB
+
+
+def test_megatron_state_kept_between_phases_counts_at_rollout(monkeypatch):
+    from trainer import memory_plan
+
+    kept = ("weights", "grads", "optimizer: fp32 main params")  # the pre-offload.py backend
+    monkeypatch.setattr(memory_plan, "MEGATRON_KEPT_WHEN_OFFLOADED", kept)
+    plan = toy_plan()
+    training, rollout = plan.phase("training"), plan.phase("rollout")
+    for name in kept:
+        assert rollout.get(name) == training.get(name) > 0
+    assert rollout.get("optimizer: Adam moments") == 0
+
+
+def test_fsdp_numbers_by_hand():
+    plan = toy_plan("train.backend=fsdp")
+    p = 1000 * 64 + 2 * (8192 + 4096 + 24576 + 160) + 64  # unpadded vocabulary
+    training = plan.phase("training")
+    assert training.get("weights") == 4 * p / 2  # fp32 master, sharded over 2 ranks
+    assert training.get("grads") == 4 * p / 2
+    assert training.get("optimizer: Adam moments") == 8 * p / 2
+    assert training.get("gathered params") == 2 * p  # root + 2 layers = the whole toy
+    per_token_layer = 12 * 64 + 12 * (4 + 2) * 16 + 8 * 128  # HF model: 2944 B
+    assert training.get("activations") == 512 * 2 * per_token_layer
+    assert training.get("logits") == 1000 * 18 * 64  # LM head at the 64 response rows
+    # FSDP offloads everything between training phases.
+    rollout = plan.phase("rollout")
+    assert rollout.get("weights") == rollout.get("grads") == 0
+    assert rollout.get("trainer runtime") == 1.0 * GiB
+
+
+def test_checkpointing_keeps_one_input_per_layer():
+    plan = toy_plan("train.gradient_checkpointing=true", "train.share_prompts=false")
+    per_token_layer = 8 * 64 + 6 * 6 * 16 + 8 * 128
+    assert plan.phase("training").get("activations") == 512 * (2 * 2 * 64 + per_token_layer)
+
+
+def test_tensor_parallel_and_distributed_optimizer_split_as_documented():
+    base = toy_plan()
+    tp2 = toy_plan("train.tensor_model_parallel_size=2", "train.sequence_parallel=true")
+    no_dist = toy_plan("train.use_distributed_optimizer=false")
+    layer_tp2 = (8192 + 4096 + 24576) / 2 + 160  # norms replicated
+    p = 2 * layer_tp2 + 1024 * 64 / 2 + 64  # vocab 1000 -> 1024 (multiple of 256), / TP
+    assert tp2.phase("training").get("weights") == 2 * p
+    assert tp2.phase("training").get("optimizer: Adam moments") == 8 * p  # DP 1
+    assert tp2.phase("training").get("activations") == base.phase("training").get("activations") / 2
+    p1 = base.phase("training").get("weights") / 2
+    assert no_dist.phase("training").get("optimizer: Adam moments") == 8 * p1
+    assert no_dist.phase("training").get("optimizer: fp32 main params") == 4 * p1
+
+
+def test_kv_cache_demand_is_reported():
+    plan = plan_memory(compose_config(["+recipe=qwen_4b"]))
+    # 256 requests over 8 engines x 8192 tokens x (K and V x 36 layers x 8 kv heads x 128 x 2 B)
+    need = 256 // 8 * 8192 * (2 * 36 * 8 * 128 * 2) / GiB
+    assert need == 36.0 and "need 36.0 GiB (262k tokens)" in plan.table()
+
+
+# --------------------------------------------------------------------- refusals
+def test_refused_with_the_numbers_naming_the_largest_component():
+    config = compose_config(["+recipe=qwen_8b", "train.gradient_checkpointing=false",
+                             "train.max_tokens_per_micro_batch=16384"])
+    with pytest.raises(MemoryPlanError) as err:
+        check_memory(config, print_fn=lambda _: None)
+    message = str(err.value)
+    assert isinstance(err.value, ConfigError)  # trainer.main reports it as a config error
+    plan = plan_memory(config)
+    training = plan.phase("training")
+    assert training.largest().name == "activations"
+    assert f"largest: activations {training.get('activations') / GiB:.1f} GiB" in message
+    assert "79.1 GiB" in message and "H100" in message
+    for component in ("grads", "logits", "weights", "optimizer: Adam moments"):
+        assert component in message
+    for change in ("train.gradient_checkpointing=true", "train.max_tokens_per_micro_batch<=",
+                   "tensor parallelism", "cluster.colocate=false"):
+        assert change in message
+
+
+def test_the_suggested_micro_batch_fits():
+    overrides = ["+recipe=qwen_8b", "train.gradient_checkpointing=false",
+                 "train.max_tokens_per_micro_batch=16384"]
+    message = plan_memory(compose_config(overrides)).error_message()
+    budget = int(message.split("train.max_tokens_per_micro_batch<=")[1].split(" ")[0])
+    assert plan_memory(compose_config(overrides[:-1] + [
+        f"train.max_tokens_per_micro_batch={budget}"])).fits
+
+
+def test_engine_gpus_refused_when_the_static_fraction_leaves_no_room():
+    plan = plan_memory(compose_config([
+        "+recipe=qwen_4b", "cluster.colocate=false", "rollout.num_gpus=4",
+        "train.ranks_per_node=4", "rollout.mem_fraction_static=1.0"]))
+    message = plan.error_message()
+    assert message and "engine GPUs" in message
+    assert "largest: engine KV cache pool" in message
+    assert "a lower rollout.mem_fraction_static (now 1)" in message
+
+
+def test_a_layout_that_fits_prints_one_line():
+    lines = []
+    plan = check_memory(compose_config(["+recipe=qwen_0_6b"]), print_fn=lines.append)
+    assert plan.fits and len(lines) == 1 and "memory plan (colocated): peak" in lines[0]
+    assert check_memory(compose_config([])) is None  # CPU: nothing to plan
+
+
+def test_memory_check_false_goes_ahead():
+    config = compose_config(["+recipe=qwen_8b", "train.gradient_checkpointing=false",
+                             "train.max_tokens_per_micro_batch=16384"])
+    config.cluster.memory_check = False  # the proposed cluster key
+    lines = []
+    plan = check_memory(config, print_fn=lines.append)
+    assert not plan.fits and "going ahead" in lines[-1] and "total" in lines[0]
+
+
+# --------------------------------------------------------------------- layouts
+def test_colocated_and_disaggregated_differ_as_expected():
+    coloc = plan_memory(compose_config(["+recipe=qwen_4b"]))
+    disagg = plan_memory(compose_config(["+recipe=qwen_4b", "cluster.colocate=false",
+                                         "rollout.num_gpus=4", "train.ranks_per_node=4"]))
+    rollout, training = coloc.phase("rollout"), coloc.phase("training")
+    engines, trainers = disagg.phase("engine GPUs"), disagg.phase("training GPUs")
+    # Colocated, generation shares the GPU with what the offloaded trainer keeps (its
+    # runtime), and training with what the released engine keeps.
+    assert rollout.get("grads") == 0 and rollout.get("trainer runtime") > 0
+    assert training.get("engine runtime") > 0 and training.get("engine KV cache pool") == 0
+    assert rollout.total == pytest.approx(engines.total + rollout.get("trainer runtime"))
+    assert {i.name for i in training.items} == {i.name for i in trainers.items} | {"engine runtime"}
+    # Disaggregated GPUs hold one role each.
+    assert engines.get("weights") == 0 and trainers.get("engine runtime") == 0
+    assert {"engine weights", "engine KV cache pool"} <= {i.name for i in engines.items}
+    # Half the data-parallel ranks: twice the optimizer shard, twice the samples per rank.
+    assert trainers.get("optimizer: Adam moments") == 2 * training.get("optimizer: Adam moments")
+    assert trainers.get("weights") == training.get("weights")
+    assert trainers.get("activations") == 2 * training.get("activations")
+
+
+def test_memory_is_per_gpu_type():
+    config = compose_config(["+recipe=qwen_8b"])
+    h100, h200 = plan_memory(config), plan_memory(config, gpu="H200")
+    assert (h100.gpu, h200.gpu) == ("H100", "H200")
+    # The engines' static share grows with the GPU; the trainer's state does not.
+    assert h200.phase("rollout").get("engine KV cache pool") > h100.phase("rollout").get(
+        "engine KV cache pool")
+    assert h200.phase("training").get("grads") == h100.phase("training").get("grads")
+
+
+def test_gpu_capacity_from_the_config_keys_or_the_table():
+    def cfg(**cluster):
+        return SimpleNamespace(cluster=SimpleNamespace(**cluster))
+
+    assert gpu_capacity(cfg()) == ("H100", 79.1)  # no key: the recipes' H100
+    assert gpu_capacity(cfg(gpu_type="NVIDIA H200")) == ("H200", 139.8)
+    assert gpu_capacity(cfg(gpu_type="A100-SXM4-80GB")) == ("A100", 79.1)
+    assert gpu_capacity(cfg(gpu_type="a100 40gb")) == ("A100-40GB", 39.4)
+    assert gpu_capacity(cfg(gpu_type="H200", gpu_memory_gib=120.0)) == ("H200", 120.0)
+    with pytest.raises(ConfigError, match="cluster.gpu_type"):
+        gpu_capacity(cfg(gpu_type="T4"))
+
+
+# --------------------------------------------------------------------- architectures
+def test_builtin_architectures_match_the_published_sizes():
+    # Qwen3 model cards: total / non-embedding parameters.
+    for key, total, non_embedding in (("qwen3-0.6b", 0.6, 0.44), ("qwen3-4b", 4.0, 3.6),
+                                      ("qwen3-8b", 8.2, 6.95)):
+        arch = BUILTIN_ARCHS[key]
+        embeddings = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
+        assert round(arch.num_params() / 1e9, 1) == total
+        assert round((arch.num_params() - embeddings) / 1e9, 2) == pytest.approx(non_embedding, abs=0.05)  # cards round
+
+
+def test_architecture_from_the_model_directory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 128, "vocab_size": 1000, "tie_word_embeddings": True}))
+    config = compose_config(TOY_OVERRIDES + [f"model.path={tmp_path}"])
+    arch, source = model_arch(config)
+    assert arch == ModelArch(tmp_path.name, 64, 2, 4, 2, 16, 128, 1000, True)
+    assert source.endswith("config.json")
+    from_dir = plan_memory(config, gpu_memory_gib=8.0)
+    given = toy_plan()
+    assert [p.total for p in from_dir.phases] == [p.total for p in given.phases]
+
+
+def test_builtin_offline_model_is_read_from_its_directory(tiny_model_path):
+    config = compose_config(TOY_OVERRIDES + ["model.path=tiny-qwen3"])
+    arch, source = model_arch(config)
+    with open(Path(tiny_model_path) / "config.json") as f:
+        hidden = json.load(f)["hidden_size"]
+    assert arch.hidden_size == hidden and source.endswith("config.json")
+
+
+def test_unknown_model_without_a_directory_is_a_config_error():
+    config = compose_config(["+recipe=qwen_4b", "model.path=/nowhere/MyModel"])
+    with pytest.raises(ConfigError, match="model.path"):
+        plan_memory(config)
+
+
+# --------------------------------------------------------------------- shipped recipes
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
+@pytest.mark.parametrize("colocate", [True, False])
+def test_every_gpu_recipe_plans(recipe, colocate):
+    overrides = [f"+recipe={recipe}"]
+    if not colocate:
+        overrides += ["cluster.colocate=false", "rollout.num_gpus=4", "train.ranks_per_node=4"]
+    plan = plan_memory(compose_config(overrides))
+    table = plan.table()
+    assert "total" in table and plan.gpu in table
+    assert all(p.total > 0 for p in plan.phases)
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
+def test_shipped_gpu_recipes_fit(recipe):
+    plan_memory(compose_config([f"+recipe={recipe}"])).check()
+
+
+def test_script_prints_the_plan_and_exits_1_when_it_cannot_fit(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memory_plan_script",
+                                                  REPO / "scripts" / "memory_plan.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["+recipe=qwen_4b"]) == 0
+    out = capsys.readouterr().out
+    assert "memory plan: qwen_4b, Qwen3-4B" in out and "fits: peak" in out
+    assert script.main(["+recipe=qwen_4b", "cluster.colocate=false", "rollout.num_gpus=4",
+                        "train.ranks_per_node=4", "train.gradient_checkpointing=false"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "the start-up check would refuse it" in out
+    assert script.main(["+recipe=qwen_4b", "--gpu", "H200"]) == 0
+    assert "H200" in capsys.readouterr().out
+    assert script.main([]) == 0  # the CPU default: nothing to plan
+    assert script.main(["rollout.n_samples_per_prompt=0"]) == 2
