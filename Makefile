@@ -4,8 +4,11 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.homegym-installed
 export HOMEGYM_CACHE ?= $(CURDIR)/.cache/homegym
+# The real SGLang server's own venv (make sglang-cpu); tests/test_sglang_cpu.py uses it.
+SGLANG_VENV ?= .venv-sglang
+export HOMEGYM_SGLANG_PYTHON ?= $(if $(wildcard $(SGLANG_VENV)/bin/python),$(CURDIR)/$(SGLANG_VENV)/bin/python,)
 
-.PHONY: run test test-fast install clean
+.PHONY: run test test-fast install sglang-cpu clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -17,6 +20,11 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+## The real SGLang server for CPU (AVX-512 + AMX) in its own venv: KERNEL is the CPU
+## kernel's wheel, source tarball or a folder holding either (exit 3: CPU unsupported).
+sglang-cpu:
+	bash scripts/install_sglang_cpu.sh $(SGLANG_VENV) $(KERNEL)
 
 ## Train the embedded CPU default recipe (the guessing game on a tiny model).
 run: $(STAMP)
@@ -31,4 +39,4 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .cache outputs
+	rm -rf $(VENV) $(SGLANG_VENV) .cache outputs

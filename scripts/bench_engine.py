@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_engine.py [--model tiny-qwen3|smollm2-135m|DIR]
         [--prompts 64] [--new-tokens 32] [--engines 1] [--hf-batch-size 64]
+        [--sglang-python .venv-sglang/bin/python]
 
 Workload: prompts of mixed lengths, each generating exactly --new-tokens tokens
 (ignore_eos), sampled at temperature 1. Reports tokens/s for
@@ -12,7 +13,9 @@ Workload: prompts of mixed lengths, each generating exactly --new-tokens tokens
   attention that figures before 2026-11-29 were measured against;
 - the raw forward-pass bound: the same prefill and decode work as bare forward passes in
   one process with the engine's kernels and a static schedule (no scheduler, no HTTP),
-  i.e. what a perfect server with zero overhead could reach.
+  i.e. what a perfect server with zero overhead could reach;
+- with --sglang-python: both engine workloads on the real SGLang CPU server (bfloat16, its
+  AMX kernels) in the same run, beside homegym's engine (float32).
 Not a test: timings depend on the machine (and on other processes sharing it).
 """
 
@@ -195,6 +198,41 @@ def forward_bound(model, prompts: list[list[int]], new_tokens: int, pad_id: int,
     return min(best.values()), best
 
 
+def bench_server(label: str, make_spec, args, prompts, vocab: int, path: str):
+    """Both workloads through the router on ``args.engines`` servers of one kind; returns
+    (burst seconds, burst tokens, multi-turn requests/s)."""
+    from rollout.engines import EngineServer, Router
+
+    engines = [EngineServer(make_spec(i), f"bench{i}") for i in range(args.engines)]
+    router = Router(tokenizer_path=path)
+    req_s = float("nan")
+    try:
+        urls = [e.start() for e in engines]
+        router.start(urls)
+        # Best of --repeat: other processes on a small box add noise, never speed.
+        dt, tokens = min(asyncio.run(run_engine(router.url, prompts, args.new_tokens))
+                         for _ in range(args.repeat))
+        print(f"{label} via router ({args.engines} engine): {tokens} tokens in {dt:.2f}s = "
+              f"{tokens / dt:,.0f} tok/s")
+        if args.multiturn_turns:
+            m_dt, m_tok, m_req, p50 = asyncio.run(run_multiturn(
+                router.url, args.episodes, args.multiturn_turns, vocab))
+            req_s = m_req / m_dt
+            print(f"{label} multi-turn RL shape: {args.episodes} episodes x "
+                  f"{args.multiturn_turns} turns = {m_req} requests in {m_dt:.2f}s = "
+                  f"{req_s:,.0f} req/s, {m_tok / m_dt:,.0f} new tok/s, p50 latency {p50 * 1000:.0f} ms")
+        for e in engines:
+            info = e.client.server_info()
+            if "prefill_s" in info:
+                print(f"  {e.name}: {info['prefills']} prefills {info['prefill_s']:.2f}s, "
+                      f"{info['decode_steps']} decode steps {info['decode_s']:.2f}s (incl. warm-up)")
+    finally:
+        router.shutdown()
+        for e in engines:
+            e.shutdown()
+    return dt, tokens, req_s
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-qwen3")
@@ -210,11 +248,14 @@ def main() -> None:
                     help="also run the RL loop's multi-turn shape (0 = skip)")
     ap.add_argument("--episodes", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3, help="best of N timed runs")
+    ap.add_argument("--sglang-python", default=None,
+                    help="also run both workloads on the real SGLang CPU server of this venv "
+                         "(scripts/install_sglang_cpu.sh)")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout.engines import EngineServer, HFLaunch, Router
+    from rollout.engines import HFLaunch, SGLangLaunch
     from rollout.engines.hf import fast_kernels
     from trainer.models import resolve_model_path
 
@@ -230,31 +271,21 @@ def main() -> None:
           f"{len(prompts)} prompts, lengths {min(map(len, prompts))}-{max(map(len, prompts))} "
           f"(mean {mean_len:.0f}), {args.new_tokens} new tokens each")
 
-    engines = [EngineServer(HFLaunch(model_path=path, max_context_len=4096), f"bench{i}")
-               for i in range(args.engines)]
-    router = Router(tokenizer_path=path)
-    try:
-        urls = [e.start() for e in engines]
-        router.start(urls)
-        # Best of --repeat: other processes on a small box add noise, never speed.
-        e_dt, e_tokens = min(asyncio.run(run_engine(router.url, prompts, args.new_tokens))
-                             for _ in range(args.repeat))
-        if args.multiturn_turns:
-            m_dt, m_tok, m_req, p50 = asyncio.run(run_multiturn(
-                router.url, args.episodes, args.multiturn_turns, model.config.vocab_size))
-            print(f"multi-turn RL shape: {args.episodes} episodes x {args.multiturn_turns} turns = "
-                  f"{m_req} requests in {m_dt:.2f}s = {m_req / m_dt:,.0f} req/s, "
-                  f"{m_tok / m_dt:,.0f} new tok/s, p50 latency {p50 * 1000:.0f} ms")
-        for e in engines:
-            info = e.server_info()
-            print(f"  {e.name}: {info['prefills']} prefills {info['prefill_s']:.2f}s, "
-                  f"{info['decode_steps']} decode steps {info['decode_s']:.2f}s (incl. warm-up)")
-    finally:
-        router.shutdown()
-        for e in engines:
-            e.shutdown()
+    servers = {"homegym CPU engine (fp32)": lambda i: HFLaunch(model_path=path, max_context_len=4096)}
+    if args.sglang_python:
+        servers["SGLang 0.5.18 CPU (bf16)"] = lambda i: SGLangLaunch(
+            model_path=path, device="cpu", dtype="bfloat16", max_context_len=4096,
+            python=args.sglang_python, random_seed=i)
+    results = {}
+    for label, spec in servers.items():
+        results[label] = bench_server(label, spec, args, prompts, model.config.vocab_size, path)
+    e_dt, e_tokens = results["homegym CPU engine (fp32)"][:2]
     e_tps = e_tokens / e_dt
-    print(f"engine via router ({args.engines} engine): {e_tokens} tokens in {e_dt:.2f}s = {e_tps:,.0f} tok/s")
+    if len(results) > 1:
+        print("\nside by side (same prompts, same run):")
+        print(f"  {'server':<28} {'burst s':>8} {'tok/s':>8} {'multi-turn req/s':>17}")
+        for label, (dt, tokens, req_s) in results.items():
+            print(f"  {label:<28} {dt:>8.2f} {tokens / dt:>8,.0f} {req_s:>17,.0f}")
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     h_dt, h_tokens = min(run_hf_generate(model, prompts, args.new_tokens, args.hf_batch_size, pad)

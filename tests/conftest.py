@@ -47,3 +47,64 @@ def push_tensors(client, named_tensors, version=None) -> dict:
 
     payloads, load_format = serialize_for_sglang(list(named_tensors))
     return client.update_weights_from_tensor(payloads, load_format=load_format, version=version)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def compose_config(*overrides):
+    """The run config exactly as `python -m trainer.main OVERRIDES` composes it."""
+    from hydra import compose, initialize_config_dir
+
+    from trainer.config import build_config
+    from trainer.main import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return build_config(compose(config_name="config", overrides=list(overrides)))
+
+
+def read_jsonl(path):
+    import json
+
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def clean_env() -> dict:
+    """This process's environment without anything that would make a child join another
+    Ray cluster or log online."""
+    env = dict(os.environ)
+    for key in ("RAY_ADDRESS", "WANDB_API_KEY", "WANDB_MODE"):
+        env.pop(key, None)
+    return env
+
+
+class MainRun:
+    def __init__(self, run_dir: Path, output: str):
+        self.run_dir, self.output = run_dir, output
+
+    @property
+    def metrics(self) -> list:
+        return read_jsonl(self.run_dir / "metrics.jsonl")
+
+
+def run_main(tmp_path, *overrides, timeout_s: float = 600, run_name: str = "run") -> MainRun:
+    """``python -m trainer.main`` in its own process group (killed whole on a timeout),
+    with a clean environment and the run under ``tmp_path``; fails with the output's tail."""
+    import signal
+    import subprocess
+    import sys
+
+    out_dir = Path(tmp_path) / "out"
+    cmd = [sys.executable, "-m", "trainer.main", f"logging.output_dir={out_dir}",
+           f"logging.run_name={run_name}", "logging.wandb_mode=offline", *overrides]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"trainer.main timed out after {timeout_s:.0f}s:\n{output[-4000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"trainer.main exited {proc.returncode}:\n{output[-4000:]}")
+    return MainRun(out_dir / run_name, output)

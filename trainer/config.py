@@ -228,6 +228,11 @@ class TrainConfig:
     # signal stops at once). False: stop at once.
     save_on_interrupt: bool = True
     weight_bucket_mb: int = 64  # weight sync bucket size
+    # How weights reach the engines: auto | tensor (handles to the ranks' buckets: CUDA
+    # IPC / shared memory) | distributed (broadcast over a process group) | disk (files
+    # the engines load). auto: tensor colocated, distributed disaggregated, disk for
+    # SGLang on CPU (trainer/weights.py says why).
+    weight_sync: str = "auto"
     # Megatron parallelism (ignored by fsdp).
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -248,6 +253,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _one_of(self.backend, "train.backend", ("fsdp", "megatron"))
         _one_of(self.lr_schedule, "train.lr_schedule", ("constant", "cosine", "linear"))
+        _one_of(self.weight_sync, "train.weight_sync", ("auto", "tensor", "distributed", "disk"))
         for key in ("num_nodes", "ranks_per_node", "num_steps", "max_tokens_per_micro_batch",
                     "weight_bucket_mb", "tensor_model_parallel_size",
                     "pipeline_model_parallel_size", "context_parallel_size",

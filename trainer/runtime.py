@@ -128,11 +128,8 @@ class Runtime:
             _progress(f"starting {self.config.train.world_size} {self.config.train.backend} "
                       "training ranks")
             self.train_group = TrainGroup(self.config, self.placement)
-            # Colocated engines share the trainer's host and take turns: hand tensors over
-            # in memory. Disaggregated engines keep running: broadcast over a group.
             self.weights = WeightSync(self.config, self.train_group, self.engines,
-                                      mode="tensor" if self.config.cluster.colocate
-                                      else "distributed")
+                                      disk_dir=str(self.run_dir / "weight_push"))
             self.manager = RolloutManager.remote(self.config, self.engines.router_url)
             _progress("ready")
         except BaseException:

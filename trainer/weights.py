@@ -11,6 +11,8 @@ driver. Two paths, both SGLang's own routes:
 - ``distributed`` (disaggregated): rank 0 broadcasts each bucket over a torch.distributed
   group the engines joined (`init_weights_update_group` + `update_weights_from_distributed`;
   NCCL on GPU, gloo on CPU).
+- ``disk``: rank 0 writes safetensors files that every engine loads
+  (`update_weights_from_disk`); slowest, and the one path SGLang's CPU backend gets right.
 
 Every update runs inside the server's weight-update session where it has one (SGLang
 0.5.23), never asks the server to flush per bucket (that fails, or on 0.5.18 kills the
@@ -25,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +36,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from rollout.engines.actor import SGLANG_CPU_LOADERS
 from rollout.engines.client import EngineError
 from rollout.engines.weights_io import serialize_for_sglang
 
@@ -54,7 +59,7 @@ class WeightSyncError(RuntimeError):
 class PushPlan:
     """One push, as every training rank executes it."""
 
-    mode: str  # tensor | distributed
+    mode: str  # tensor | distributed | disk
     version: int
     targets: tuple  # rollout.engines.group.EngineTarget, engine order
     bucket_bytes: int
@@ -62,6 +67,10 @@ class PushPlan:
     device: str  # where the gathered buckets live: cuda for CUDA IPC / NCCL, else cpu
     flush_cache: bool  # flush each engine's prefix cache once after the push
     group_name: str = ""  # the broadcast group (distributed mode)
+    disk_dir: str = ""  # where rank 0 writes the weights (disk mode); "" = a temp dir
+    # The server-side loaders of SGLang's CPU backend (SGLANG_CPU_LOADERS): buckets are
+    # loaded with the first, and a final empty update with the second re-packs them.
+    loaders: tuple = ()
 
 
 def source_rank(engine: int, tp_rank: int, tp_size: int, world_size: int) -> int:
@@ -70,16 +79,28 @@ def source_rank(engine: int, tp_rank: int, tp_size: int, world_size: int) -> int
     return (engine * tp_size + tp_rank) % world_size
 
 
+def sync_mode(config) -> str:
+    """``train.weight_sync`` resolved: auto = tensor handles between colocated processes,
+    a broadcast to disaggregated engines."""
+    mode = config.train.weight_sync
+    if mode != "auto":
+        return mode
+    return "tensor" if config.cluster.colocate else "distributed"
+
+
 class WeightSync:
     """Driver-side: one per run (built by the Runtime); ``push(version)`` per update."""
 
-    def __init__(self, config, train_group, engines, *, mode: str = "tensor") -> None:
-        if mode not in ("tensor", "distributed"):
-            raise ValueError(f"weight sync mode must be tensor or distributed (got {mode!r})")
+    def __init__(self, config, train_group, engines, *, mode: Optional[str] = None,
+                 disk_dir: str = "") -> None:
+        mode = mode or sync_mode(config)
+        if mode not in ("tensor", "distributed", "disk"):
+            raise ValueError(f"weight sync mode must be tensor, distributed or disk (got {mode!r})")
         self.config = config
         self.train_group = train_group
         self.engines = engines
         self.mode = mode
+        self.disk_dir = disk_dir
         self.bucket_bytes = config.train.weight_bucket_mb * 2**20
         self._group_targets: Optional[tuple] = None  # engines the broadcast group was made for
         self._group_name = ""
@@ -92,7 +113,11 @@ class WeightSync:
             bucket_bytes=self.bucket_bytes, dtype=cfg.rollout.dtype or cfg.model.dtype,
             device="cuda" if cfg.cluster.device == "cuda" else "cpu",
             flush_cache=not cfg.cluster.colocate and cfg.rollout.update_in_flight == "abort",
-            group_name=self._group_name)
+            group_name=self._group_name, disk_dir=self.disk_dir,
+            # SGLang's CPU backend computes garbage after an in-place update unless its AMX
+            # weights are re-packed (rollout/engines/sglang_plugins/homegym_sglang_cpu.py).
+            loaders=SGLANG_CPU_LOADERS if (cfg.rollout.engine == "sglang"
+                                           and cfg.cluster.device == "cpu") else ())
 
     def push(self, version: int, engines=None) -> dict[str, float]:
         """Load the trainer's current weights into every engine (or into ``engines``, an
@@ -147,6 +172,8 @@ def send_weights(buckets: Iterable[list[tuple[str, torch.Tensor]]], plan: PushPl
     dtype = DTYPES[plan.dtype]
     if plan.mode == "tensor":
         sender = _TensorSender(plan, rank, world_size)
+    elif plan.mode == "disk":
+        sender = _DiskSender(plan, rank)
     else:
         sender = _BroadcastSender(plan, rank, weight_group)
     num_bytes = num_buckets = 0
@@ -191,10 +218,21 @@ class _Sender:
     def __enter__(self):
         for e in self.engines:
             self._sessions.enter_context(self.clients[e].weight_update_session())
+        if self.plan.loaders and self.plan.mode == "distributed":
+            self._loader_call(self.plan.loaders[0], None)  # installs the marks first
         return self
+
+    def _loader_call(self, load_format: str, version: Optional[int]) -> None:
+        """An update of no tensors that runs one of the engines' server-side loaders."""
+        def call(e, client):
+            empty, _ = serialize_for_sglang([], tp_size=self.plan.targets[e].tp_size)
+            client.update_weights_from_tensor(empty, load_format=load_format, version=version)
+        self._each(call)
 
     def __exit__(self, *exc):
         try:
+            if exc[0] is None and self.plan.loaders and self.plan.mode != "disk":
+                self._loader_call(self.plan.loaders[1], self.plan.version)
             self._sessions.close()
             if exc[0] is None and self.plan.flush_cache:
                 self._each(lambda e, c: c.flush_cache())
@@ -255,6 +293,8 @@ class _TensorSender(_Sender):
             dist.all_gather_object(payloads, payload)
         else:
             payloads = [payload] * self.world_size
+        if self.plan.loaders:  # the version goes with the final re-pack
+            load_format, version = self.plan.loaders[0], None
         self._each(lambda e, c: c.update_weights_from_tensor(
             [payloads[r] for r in self.sources[e]], load_format=load_format, version=version))
 
@@ -288,6 +328,39 @@ class _BroadcastSender(_Sender):
             time.sleep(0.001)
         for f in futures:
             f.result()
+
+
+class _DiskSender(_Sender):
+    """Rank 0 writes the buckets as safetensors files, then every engine loads the
+    directory (SGLang's `update_weights_from_disk`, its full load-and-postprocess path)."""
+
+    def __init__(self, plan: PushPlan, rank: int):
+        self.rank, self.dir, self.files = rank, None, 0
+        super().__init__(plan, range(len(plan.targets)) if rank == 0 else [])
+
+    def send(self, bucket, version: Optional[int]) -> None:
+        if self.rank != 0:
+            return
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        if self.dir is None:
+            if self.plan.disk_dir:
+                os.makedirs(self.plan.disk_dir, exist_ok=True)
+            self.dir = tempfile.mkdtemp(prefix=f"v{self.plan.version}-", dir=self.plan.disk_dir or None)
+        save_file({n: t.to("cpu").contiguous() for n, t in bucket},
+                  os.path.join(self.dir, f"model-{self.files:05d}.safetensors"))
+        self.files += 1
+
+    def __exit__(self, *exc):
+        try:
+            if exc[0] is None and self.dir is not None:
+                self._each(lambda e, c: c.update_weights_from_disk(self.dir, version=self.plan.version))
+            return super().__exit__(*exc)
+        finally:
+            if self.dir is not None:
+                shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def join_broadcast_group(targets: Sequence[Any], address: str, port: int, group_name: str,

@@ -1,0 +1,288 @@
+"""The real SGLang server (the pinned version's Python server, with its CPU kernels) behind
+the real sglang-router, started by homegym's own SGLang engine actor: the launch code GPU
+users run, with ``--device cpu``.
+
+Needs a CPU with AVX-512 and AMX and the SGLang venv that scripts/install_sglang_cpu.sh
+makes (``HOMEGYM_SGLANG_PYTHON`` names its interpreter; .ci/run sets it where the CPU
+allows). SGLang's CPU kernels serve bfloat16 only, so the engines run bf16 beside an fp32
+trainer: log-probs agree at bf16's level, not at the CPU engine's 1e-4.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from conftest import compose_config, push_tensors, run_main
+
+pytestmark = pytest.mark.slow
+
+SGLANG_PYTHON = os.environ.get("HOMEGYM_SGLANG_PYTHON", "")
+
+
+def _skip_reason() -> str | None:
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    missing = [f for f in ("avx512f", "amx_tile") if f not in flags]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}: SGLang's CPU kernels need AVX-512 and AMX"
+    if not SGLANG_PYTHON or not os.path.exists(SGLANG_PYTHON):
+        return ("HOMEGYM_SGLANG_PYTHON is not set to the interpreter of an SGLang venv "
+                "(bash scripts/install_sglang_cpu.sh .venv-sglang <kernel wheel or source>)")
+    return None
+
+
+if _skip_reason():
+    pytest.skip(_skip_reason(), allow_module_level=True)
+
+
+def sglang_config(*overrides):
+    return compose_config("rollout.engine=sglang", "rollout.dtype=bfloat16",
+                          f"rollout.sglang_python={SGLANG_PYTHON}", "rollout.num_engines=1",
+                          *overrides)
+
+
+@pytest.fixture(scope="module")
+def group(ray_local, tiny_model_path, tmp_path_factory):
+    from rollout.engines.group import EngineGroup
+
+    g = EngineGroup(sglang_config(), model_path=tiny_model_path,
+                    log_dir=str(tmp_path_factory.mktemp("sglang")))
+    yield g
+    g.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation="eager").eval()
+
+
+def greedy(url, ids, n=8):
+    r = requests.post(url + "/generate", timeout=120, json={
+        "input_ids": ids, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+def forward_logprobs(model, prompt, output):
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+
+
+def test_real_server_behind_the_router_reports_the_pinned_version(group):
+    from rollout.engines import PINNED_SGLANG_VERSION
+
+    client = group.clients[0]
+    assert client.version() == PINNED_SGLANG_VERSION
+    assert client.server_info()["device"] == "cpu"
+    assert group.weight_versions() == ["default"]
+    assert group.router.healthy_urls() == set(group.urls)
+    r = requests.post(group.router_url + "/generate", timeout=120, json={
+        "input_ids": [3, 4, 5], "return_logprob": True, "sampling_params": {"max_new_tokens": 4}})
+    meta = r.json()["meta_info"]
+    entry = meta["output_token_logprobs"][0]  # SGLang's [logprob, token_id, text] triples
+    assert len(entry) == 3 and isinstance(entry[0], float) and isinstance(entry[1], int)
+    assert meta["weight_version"] == "default" and meta["finish_reason"]["type"] == "length"
+
+
+def test_guessing_game_through_the_rollout_manager(group, hf_model):
+    """Multi-turn episodes on the real server: masks mark exactly the engine's tokens (their
+    log-probs, recomputed by an fp32 forward over the sample's tokens, agree with SGLang's
+    at bf16's level), and the per-token log-probs arrive in SGLang's format."""
+    from rollout.generate import close_session
+    from rollout.manager import RolloutManagerCore
+
+    cfg = sglang_config("rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
+                        "rollout.max_response_len=8")
+
+    async def step():
+        try:
+            return await RolloutManagerCore(cfg, group.router_url).generate(1)
+        finally:
+            await close_session()
+
+    batch = asyncio.run(step())
+    assert len(batch) == 4
+    gaps = []
+    for tokens, n, mask, lps in zip(batch.tokens, batch.response_lengths, batch.loss_masks,
+                                    batch.rollout_log_probs):
+        assert len(mask) == n and sum(mask) == len([m for m in mask if m]) > 0
+        assert len(lps) == n  # one entry per response token (0 for environment tokens)
+        prompt = tokens[:len(tokens) - n]
+        full = forward_logprobs(hf_model, prompt, tokens[len(prompt):])
+        model_positions = [i for i, m in enumerate(mask) if m]
+        gaps += [abs(full[i].item() - lps[i]) for i in model_positions]
+    gaps = torch.tensor(gaps)
+    print(f"\nSGLang bf16 vs trainer fp32 log-probs over {len(gaps)} model tokens: "
+          f"mean |diff| {gaps.mean():.4f}, max {gaps.max():.4f}")
+    assert gaps.mean() < 0.05 and gaps.max() < 0.5  # bf16 rounding, not misplaced tokens
+
+
+def test_seed_custom_generate_function_unchanged(group):
+    from rollout.generate import close_session
+    from rollout.manager import RolloutManagerCore
+
+    cfg = sglang_config("rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
+                        "rollout.max_response_len=8",
+                        "rollout.custom_generate_function=envs.number_guess_seed:number_guess_generate",
+                        "rollout.custom_rm_function=envs.number_guess_seed:number_guess_rm")
+
+    async def step():
+        try:
+            return await RolloutManagerCore(cfg, group.router_url).generate(1)
+        finally:
+            await close_session()
+
+    batch = asyncio.run(step())
+    assert len(batch) == 4 and "failed" not in batch.statuses
+    assert all(sum(m) > 0 for m in batch.loss_masks)
+
+
+def test_pause_abort_continue(group):
+    """A request that is decoding (its first streamed chunk has arrived) is aborted by
+    pause_generation(abort); after continue_generation the server generates again."""
+    client = group.clients[0]
+    with requests.post(group.router_url + "/generate", stream=True, timeout=300, json={
+            "input_ids": [1, 2, 3], "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}) as r:
+        lines = (line for line in r.iter_lines() if line.startswith(b"data:") and b"[DONE]" not in line)
+        first = json.loads(next(lines)[5:])
+        assert "error" not in first, first  # decoding now
+        try:
+            client.pause_generation("abort")
+            last = json.loads(list(lines)[-1][5:])
+        finally:
+            client.continue_generation()
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["meta_info"]["completion_tokens"] < 400
+    ids, _ = greedy(group.router_url, [1, 2, 3], n=2)
+    assert len(ids) == 2
+
+
+def _perturbed(tiny_model_path):
+    from safetensors.torch import load_file
+
+    sd = load_file(os.path.join(tiny_model_path, "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    return {n: (t + 0.05 * torch.randn(t.shape, generator=g)).to(t.dtype) if t.dim() == 2 else t
+            for n, t in sd.items()}
+
+
+@pytest.mark.parametrize("path", ["disk", "tensor", "distributed"])
+def test_weight_push_is_verified_by_the_next_generation(group, tiny_model_path, tmp_path, path):
+    """After a push through each of SGLang's three routes the next greedy generation is the
+    pushed model's (its log-probs equal an fp32 forward of those weights at bf16's level);
+    pushing the original weights back restores the original output exactly."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from trainer.weights import PushPlan, join_broadcast_group, send_weights
+    from rollout.engines import free_port
+
+    client = group.clients[0]
+    prompt = [5, 6, 7, 8]
+    client.flush_cache()
+    before_ids, _ = greedy(group.router_url, prompt)
+    new = _perturbed(tiny_model_path)
+    original = load_file(os.path.join(tiny_model_path, "model.safetensors"))
+    plan = PushPlan(mode=path, version=11, targets=tuple(group.targets()), bucket_bytes=1 << 16,
+                    dtype="bfloat16", device="cpu", flush_cache=True, disk_dir=str(tmp_path),
+                    group_name=f"cpu-{path}", loaders=group_loaders())
+    weight_group = None
+    if path == "distributed":
+        weight_group = join_broadcast_group(plan.targets, "127.0.0.1", free_port(),
+                                            plan.group_name, "gloo")
+    send_weights([sorted(new.items())], plan, rank=0, world_size=1, weight_group=weight_group)
+    assert client.weight_version() == "11"
+    after_ids, after_lps = greedy(group.router_url, prompt)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation="eager")
+    model.load_state_dict({**model.state_dict(), **{n: t.float() for n, t in new.items()}})
+    want = forward_logprobs(model.eval(), prompt, after_ids)
+    gap = (want - torch.tensor(after_lps)).abs().max().item()
+    print(f"\n{path} push: max |SGLang bf16 - fp32 forward| = {gap:.4f}")
+    assert gap < 0.1, gap
+    send_weights([sorted(original.items())], dataclasses.replace(plan, version=12),
+                 rank=0, world_size=1, weight_group=weight_group)
+    if weight_group is not None:
+        client.destroy_weights_update_group(plan.group_name)
+    client.flush_cache()
+    assert greedy(group.router_url, prompt)[0] == before_ids
+
+
+def group_loaders():
+    from rollout.engines.actor import SGLANG_CPU_LOADERS
+
+    return SGLANG_CPU_LOADERS
+
+
+def test_in_place_update_without_repacking_is_the_known_fault(group, tiny_model_path):
+    """Why homegym's loaders exist: the stock tensor route writes plain values into AMX-
+    packed weights, so even pushing the model's own weights changes its output."""
+    from safetensors.torch import load_file
+
+    client = group.clients[0]
+    prompt = [9, 10, 11, 12]
+    client.flush_cache()
+    before, _ = greedy(group.router_url, prompt)
+    original = sorted(load_file(os.path.join(tiny_model_path, "model.safetensors")).items())
+    push_tensors(client, original, version="stock")  # load_format None: SGLang's own loader
+    client.flush_cache()
+    corrupted, _ = greedy(group.router_url, prompt)
+    from trainer.weights import PushPlan, send_weights
+
+    plan = PushPlan(mode="tensor", version=13, targets=tuple(group.targets()), bucket_bytes=1 << 30,
+                    dtype="bfloat16", device="cpu", flush_cache=True, loaders=group_loaders())
+    send_weights([original], plan, rank=0, world_size=1)
+    client.flush_cache()
+    assert corrupted != before
+    assert greedy(group.router_url, prompt)[0] == before
+
+
+def test_killed_engine_is_restarted_registered_and_given_the_weights(group, tiny_model_path):
+    import ray
+
+    from trainer.weights import send_weights, WeightSync
+
+    cfg = sglang_config()
+    new = sorted(_perturbed(tiny_model_path).items())
+
+    class Policy:  # one training rank in this process, sending the perturbed weights
+        def send_weights(self, plan):
+            return send_weights([new], plan, rank=0, world_size=1)
+
+    sync = WeightSync(cfg, Policy(), group)
+    sync.push(21)
+    expected, _ = greedy(group.router_url, [2, 3, 4])
+    os.kill(ray.get(group.engines[0].pid.remote()), signal.SIGKILL)
+    metrics = group.recover(push_weights=lambda view: sync.push(21, engines=view))
+    assert metrics["rollout/engines_restarted_now"] == 1.0
+    assert group.health() == [True] and group.weight_versions() == ["21"]
+    assert group.router.healthy_urls() == set(group.urls)
+    assert greedy(group.router_url, [2, 3, 4])[0] == expected
+
+
+def test_default_recipe_trains_colocated_on_real_sglang(tmp_path):
+    out = run_main(tmp_path, "rollout.engine=sglang", "rollout.dtype=bfloat16",
+                   f"rollout.sglang_python={SGLANG_PYTHON}", "train.num_steps=3",
+                   "warmup.steps=20", "eval.before_and_after=false",
+                   "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
+                   timeout_s=600)
+    steps = [r for r in out.metrics if "train/rollout_logprob_abs_diff" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        print(f"step {r['step']}: rollout/trainer log-prob gap "
+              f"{r['train/rollout_logprob_abs_diff']:.4f}, sync {r['perf/weight_sync_time']:.2f}s")
+        assert r["train/rollout_logprob_abs_diff"] < 0.05
