@@ -274,7 +274,7 @@ def main() -> None:
     servers = {"homegym CPU engine (fp32)": lambda i: HFLaunch(model_path=path, max_context_len=4096)}
     if args.sglang_python:
         servers["SGLang 0.5.18 CPU (bf16)"] = lambda i: SGLangLaunch(
-            model_path=path, device="cpu", dtype="bfloat16", max_context_len=4096,
+            model_path=path, device="cpu", dtype="bfloat16",
             python=args.sglang_python, random_seed=i)
     results = {}
     for label, spec in servers.items():

@@ -125,9 +125,8 @@ class WeightSync:
         start = time.perf_counter()
         engines = engines or self.engines
         plan = self.plan(version, engines)
-        if plan.mode == "distributed" and engines is not self.engines:
-            # Restarted engines are not members of the broadcast group: same host only.
-            plan = dataclasses.replace(plan, mode="tensor")
+        # A new set of engines (restarted ones have new addresses, or a view of some) gets
+        # a broadcast group of its own; the next push to all of them forms one anew.
         if plan.mode == "distributed" and self._group_targets != plan.targets:
             plan = dataclasses.replace(plan, group_name=self._init_group(plan))
         try:
