@@ -9,6 +9,7 @@ import requests
 import torch
 
 from conftest import push_tensors
+from trainer.models import cache_kwarg
 from rollout.engines import (PINNED_SGLANG_VERSION, EngineError, EngineServer, HFLaunch,
                              MultiprocessingSerializer)
 from rollout.engines.weights_io import init_custom_process_group
@@ -493,7 +494,8 @@ def test_fast_attention_equals_eager_on_padded_prefill_and_decode(tiny_model_pat
         tiny_model_path, attn_implementation=fast_kernels.register()).eval()
     ids, mask, pos = engine_layout(400)
     caches = (DynamicCache(), DynamicCache())
-    outs = [m(input_ids=ids, attention_mask=mask, position_ids=pos, cache=c).logits
+    kw = cache_kwarg(fast)  # transformers renamed it between the versions we support
+    outs = [m(input_ids=ids, attention_mask=mask, position_ids=pos, **{kw: c}).logits
             for m, c in zip((ref_model, fast), caches)]
     real = mask.bool()
     assert torch.allclose(outs[0][real], outs[1][real], atol=1e-5)
@@ -501,7 +503,7 @@ def test_fast_attention_equals_eager_on_padded_prefill_and_decode(tiny_model_pat
         nxt = outs[0][:, -1:].argmax(-1)
         mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
         pos = pos[:, -1:] + 1
-        outs = [m(input_ids=nxt, attention_mask=mask, position_ids=pos, cache=c).logits
+        outs = [m(input_ids=nxt, attention_mask=mask, position_ids=pos, **{kw: c}).logits
                 for m, c in zip((ref_model, fast), caches)]
         assert torch.allclose(outs[0], outs[1], atol=1e-5)
 
@@ -554,8 +556,8 @@ def test_lean_forward_equals_transformers_forward(arch, packed, tiny_model_path,
     ids, mask, pos = engine_layout(min(300, model.config.vocab_size))
     caches = (DynamicCache(), DynamicCache())
     for step in range(7):
-        want = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=caches[0],
-                     logits_to_keep=1).logits[:, -1]
+        want = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                     **{cache_kwarg(model): caches[0]}, logits_to_keep=1).logits[:, -1]
         got = fwd(ids, mask, pos, caches[1])
         assert torch.allclose(got, want, atol=1e-5 if packed else 1e-6), (
             step, (got - want).abs().max())

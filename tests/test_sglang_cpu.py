@@ -22,6 +22,7 @@ import requests
 import torch
 
 from conftest import compose_config, push_tensors, run_main
+from rollout.engines.actor import SGLANG_CPU_LOADERS
 
 pytestmark = pytest.mark.slow
 
@@ -98,15 +99,13 @@ def test_real_server_behind_the_router_reports_the_pinned_version(group):
     assert meta["weight_version"] == "default" and meta["finish_reason"]["type"] == "length"
 
 
-def test_guessing_game_through_the_rollout_manager(group, hf_model):
-    """Multi-turn episodes on the real server: masks mark exactly the engine's tokens (their
-    log-probs, recomputed by an fp32 forward over the sample's tokens, agree with SGLang's
-    at bf16's level), and the per-token log-probs arrive in SGLang's format."""
+def rollout_step(group, *overrides):
+    """One step of the rollout manager (2 prompts x 2 games) against the group's router."""
     from rollout.generate import close_session
     from rollout.manager import RolloutManagerCore
 
     cfg = sglang_config("rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
-                        "rollout.max_response_len=8")
+                        "rollout.max_response_len=8", *overrides)
 
     async def step():
         try:
@@ -114,13 +113,20 @@ def test_guessing_game_through_the_rollout_manager(group, hf_model):
         finally:
             await close_session()
 
-    batch = asyncio.run(step())
+    return asyncio.run(step())
+
+
+def test_guessing_game_through_the_rollout_manager(group, hf_model):
+    """Multi-turn episodes on the real server: masks mark exactly the engine's tokens (their
+    log-probs, recomputed by an fp32 forward over the sample's tokens, agree with SGLang's
+    at bf16's level), and the per-token log-probs arrive in SGLang's format."""
+    batch = rollout_step(group)
     assert len(batch) == 4
     gaps = []
     for tokens, n, mask, lps in zip(batch.tokens, batch.response_lengths, batch.loss_masks,
                                     batch.rollout_log_probs):
-        assert len(mask) == n and sum(mask) == len([m for m in mask if m]) > 0
-        assert len(lps) == n  # one entry per response token (0 for environment tokens)
+        assert len(mask) == len(lps) == n and 0 < sum(mask) < n  # model and environment turns
+        assert all(lp == 0.0 for lp, m in zip(lps, mask) if not m)
         prompt = tokens[:len(tokens) - n]
         full = forward_logprobs(hf_model, prompt, tokens[len(prompt):])
         model_positions = [i for i, m in enumerate(mask) if m]
@@ -132,21 +138,9 @@ def test_guessing_game_through_the_rollout_manager(group, hf_model):
 
 
 def test_seed_custom_generate_function_unchanged(group):
-    from rollout.generate import close_session
-    from rollout.manager import RolloutManagerCore
-
-    cfg = sglang_config("rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
-                        "rollout.max_response_len=8",
-                        "rollout.custom_generate_function=envs.number_guess_seed:number_guess_generate",
-                        "rollout.custom_rm_function=envs.number_guess_seed:number_guess_rm")
-
-    async def step():
-        try:
-            return await RolloutManagerCore(cfg, group.router_url).generate(1)
-        finally:
-            await close_session()
-
-    batch = asyncio.run(step())
+    batch = rollout_step(group,
+                         "rollout.custom_generate_function=envs.number_guess_seed:number_guess_generate",
+                         "rollout.custom_rm_function=envs.number_guess_seed:number_guess_rm")
     assert len(batch) == 4 and "failed" not in batch.statuses
     assert all(sum(m) > 0 for m in batch.loss_masks)
 
@@ -200,7 +194,7 @@ def test_weight_push_is_verified_by_the_next_generation(group, tiny_model_path, 
     original = load_file(os.path.join(tiny_model_path, "model.safetensors"))
     plan = PushPlan(mode=path, version=11, targets=tuple(group.targets()), bucket_bytes=1 << 16,
                     dtype="bfloat16", device="cpu", flush_cache=True, disk_dir=str(tmp_path),
-                    group_name=f"cpu-{path}", loaders=group_loaders())
+                    group_name=f"cpu-{path}", loaders=SGLANG_CPU_LOADERS)
     weight_group = None
     if path == "distributed":
         weight_group = join_broadcast_group(plan.targets, "127.0.0.1", free_port(),
@@ -222,16 +216,12 @@ def test_weight_push_is_verified_by_the_next_generation(group, tiny_model_path, 
     assert greedy(group.router_url, prompt)[0] == before_ids
 
 
-def group_loaders():
-    from rollout.engines.actor import SGLANG_CPU_LOADERS
-
-    return SGLANG_CPU_LOADERS
-
-
 def test_in_place_update_without_repacking_is_the_known_fault(group, tiny_model_path):
     """Why homegym's loaders exist: the stock tensor route writes plain values into AMX-
     packed weights, so even pushing the model's own weights changes its output."""
     from safetensors.torch import load_file
+
+    from trainer.weights import PushPlan, send_weights
 
     client = group.clients[0]
     prompt = [9, 10, 11, 12]
@@ -241,10 +231,8 @@ def test_in_place_update_without_repacking_is_the_known_fault(group, tiny_model_
     push_tensors(client, original, version="stock")  # load_format None: SGLang's own loader
     client.flush_cache()
     corrupted, _ = greedy(group.router_url, prompt)
-    from trainer.weights import PushPlan, send_weights
-
     plan = PushPlan(mode="tensor", version=13, targets=tuple(group.targets()), bucket_bytes=1 << 30,
-                    dtype="bfloat16", device="cpu", flush_cache=True, loaders=group_loaders())
+                    dtype="bfloat16", device="cpu", flush_cache=True, loaders=SGLANG_CPU_LOADERS)
     send_weights([original], plan, rank=0, world_size=1)
     client.flush_cache()
     assert corrupted != before
