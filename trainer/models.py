@@ -40,6 +40,23 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
+def keeps_boolean_logits(model) -> bool:
+    """Whether the model's forward takes a boolean [B, L] ``logits_to_keep`` (newer
+    transformers; 5.12.1, which sglang 0.5.18 pins, slices with it and fails). One tiny
+    forward: collective under FSDP, so every rank calls it."""
+    import torch
+
+    device = next(model.parameters()).device
+    ids = torch.ones(1, 2, dtype=torch.long, device=device)
+    keep = torch.tensor([[False, True]], device=device)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, logits_to_keep=keep, use_cache=False)
+    except (IndexError, TypeError, RuntimeError):
+        return False
+    return True
+
+
 def cache_kwarg(model) -> str:
     """The forward() keyword for a KV cache: transformers >= 5.2x renamed
     ``past_key_values`` to ``cache`` (the old name still works, with a warning)."""

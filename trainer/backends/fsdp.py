@@ -31,7 +31,7 @@ from trainer.backends import packed_attention
 from trainer.backends.rl_step import (
     micro_batch_advantages, per_sample_log_probs, train_step_metrics)
 from trainer.backends.schedule import lr_at
-from trainer.models import cache_kwarg
+from trainer.models import cache_kwarg, keeps_boolean_logits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,6 +70,8 @@ class FSDPBackend:
         self.pad_token_id = self.model.config.pad_token_id or 0
         self.share_prompts = config.shares_prompts
         self.cache_kw = cache_kwarg(self.model)
+        # Otherwise the LM head runs at every position and _kept selects (more work).
+        self.bool_keep = keeps_boolean_logits(self.model)
         samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
         per_rollout = samples // (train.global_batch_size or samples)
         self.total_optimizer_steps = max(train.num_steps * per_rollout, 1)
@@ -123,7 +125,7 @@ class FSDPBackend:
             keep = torch.zeros(mb.input_ids.shape, dtype=torch.bool, device=self.device)
             keep[mb.row_idx, mb.col_idx] = True
             logits = _kept(model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                 logits_to_keep=keep, use_cache=False).logits, keep)
+                                 logits_to_keep=self._keep(keep), use_cache=False).logits, keep)
             flat = keep.flatten().cumsum(0) - 1  # position -> row of the kept logits
             selected = logits[flat[mb.row_idx * keep.shape[1] + mb.col_idx]]
         logp = token_log_probs(selected, mb.targets)
@@ -134,19 +136,22 @@ class FSDPBackend:
                 entropy = entropy_from_logits(selected)
         return logp, entropy
 
+    def _keep(self, keep: torch.Tensor):
+        return keep if self.bool_keep else 0  # 0: every position
+
     def _shared_prefix_logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         """Logits predicting each response token of a shared-prefix micro-batch: each
         distinct prefix runs once (keeping its KV cache, with grad), then the packed
         suffixes attend to their prefix's KV through ``packed_attention``."""
         s = mb.shared
         out = model(input_ids=s.prefix_ids, attention_mask=s.prefix_mask, use_cache=True,
-                    logits_to_keep=s.prefix_keep, **{self.cache_kw: DynamicCache()})
+                    logits_to_keep=self._keep(s.prefix_keep), **{self.cache_kw: DynamicCache()})
         cache = out[self.cache_kw]
         prefix_kv = packed_attention.PackedPrefix(
             keys=[layer.keys for layer in cache.layers],
             values=[layer.values for layer in cache.layers], layout=s)
         suffix = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                       position_ids=s.position_ids, logits_to_keep=s.keep, use_cache=False,
+                       position_ids=s.position_ids, logits_to_keep=self._keep(s.keep), use_cache=False,
                        packed_prefix=prefix_kv).logits
         logits = torch.cat([_kept(suffix, s.keep), _kept(out.logits, s.prefix_keep)])
         return logits[s.logit_idx]
