@@ -8,7 +8,7 @@ from rollout.engines import (EngineClient, EngineServer, HFLaunch, Router, SGLan
                              spec_from_config)
 from rollout.engines.actor import bind_host
 from rollout.engines.group import EngineView
-from trainer.weights import source_rank
+from trainer.weights import broadcast_ranks, source_rank
 from trainer.config import ClusterConfig, HomegymConfig, RolloutConfig, TrainConfig
 
 
@@ -69,8 +69,10 @@ def test_engines_bind_the_node_address_on_a_multi_node_cluster():
 
 
 def test_broadcast_rank_offsets_count_every_tp_rank():
-    view = EngineView([EngineClient(f"http://h:{i}") for i in range(3)], [2, 2, 1], [0, 1, 2])
-    assert view.rank_offsets() == ([1, 3, 5], 6)
+    assert broadcast_ranks([2, 2, 1]) == ([1, 3, 5], 6)  # not 1 + engine index
+    view = EngineView([EngineClient(f"http://h:{i}", "k") for i in range(2)], [2, 1], [0, 1])
+    assert [(t.url, t.api_key, t.tp_size) for t in view.targets()] == [
+        ("http://h:0", "k", 2), ("http://h:1", "k", 1)]
 
 
 def test_tensor_sources_put_each_engine_tp_rank_on_its_gpus_rank():

@@ -79,6 +79,16 @@ def source_rank(engine: int, tp_rank: int, tp_size: int, world_size: int) -> int
     return (engine * tp_size + tp_rank) % world_size
 
 
+def broadcast_ranks(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Each engine's first rank in the weight-broadcast group, and the group's size: the
+    trainer is rank 0 and every engine joins with all of its TP ranks."""
+    offsets, world_size = [], 1
+    for tp in tp_sizes:
+        offsets.append(world_size)
+        world_size += tp
+    return offsets, world_size
+
+
 def sync_mode(config) -> str:
     """``train.weight_sync`` resolved: auto = tensor handles between colocated processes,
     a broadcast to disaggregated engines."""
@@ -369,10 +379,7 @@ def join_broadcast_group(targets: Sequence[Any], address: str, port: int, group_
     process joins as rank 0; returns the group."""
     from rollout.engines.weights_io import init_custom_process_group
 
-    offsets, world_size = [], 1
-    for t in targets:
-        offsets.append(world_size)
-        world_size += t.tp_size
+    offsets, world_size = broadcast_ranks([t.tp_size for t in targets])
     clients = [t.client() for t in targets]
     with ThreadPoolExecutor(max_workers=len(clients)) as pool:
         futures = [pool.submit(c.init_weights_update_group, address, port, off, world_size,

@@ -68,6 +68,7 @@ class EngineClient:
         self.url = url.rstrip("/")
         self.name = name
         self.timeout_s = timeout_s
+        self.api_key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.session = requests.Session()
         self._version: Optional[str] = None

@@ -54,7 +54,7 @@ class _FanOut:
             return [f.result() for f in futures]
 
     def targets(self) -> list[EngineTarget]:
-        return [EngineTarget(c.name, c.url, c.headers and c.headers["Authorization"][7:] or None, tp)
+        return [EngineTarget(c.name, c.url, c.api_key, tp)
                 for c, tp in zip(self.clients, self.tp_sizes)]
 
     def release_memory(self, tags: Optional[list[str]] = None) -> list:
@@ -87,19 +87,10 @@ class _FanOut:
     def update_weights_from_disk(self, path: str, version=None) -> list:
         return self._all("update_weights_from_disk", path, version=version)
 
-    def rank_offsets(self) -> tuple[list[int], int]:
-        """Each engine's first rank in the weight-broadcast group, and the group's size:
-        the trainer is rank 0 and every engine joins with all of its TP ranks."""
-        offsets, next_rank = [], 1
-        for tp in self.tp_sizes:
-            offsets.append(next_rank)
-            next_rank += tp
-        return offsets, next_rank
-
 
 class EngineView(_FanOut):
     """Some engines of a group, with the group's fan-out methods (e.g. a weight push to the
-    engines just restarted: ``WeightSync(config, train_group, view).push(version)``)."""
+    engines just restarted: ``weight_sync.push(version, engines=view)``)."""
 
     def __init__(self, clients: Sequence[EngineClient], tp_sizes: Sequence[int],
                  indices: Sequence[int]):
