@@ -174,3 +174,41 @@ def test_resume_after_kill_continues_the_same_run(tmp_path):
     order = {r["step"]: r["labels"] for r in read_jsonl(run / "data_order.jsonl")}
     config = compose_config(*SHORT, *overrides)
     assert [order[s] for s in range(1, 5)] == expected_data_order(config, 4)
+
+
+class _Spy:
+    """Delegates to a real object and records which of ``names`` were called, in order."""
+
+    def __init__(self, target, names, log):
+        self._target, self._names, self._log = target, set(names), log
+
+    def __getattr__(self, name):
+        value = getattr(self._target, name)
+        if name not in self._names:
+            return value
+
+        def call(*args, **kwargs):
+            self._log.append((name, args[0] if args else kwargs.get("tags")))
+            return value(*args, **kwargs)
+        return call
+
+
+def test_colocated_step_resumes_weights_then_pushes_then_resumes_the_kv_cache(ray_local, tmp_path):
+    """slime's order: the engines' weights come back first, the new weights are pushed into
+    them, and only then the KV cache (and CUDA graphs), so the push never competes with the
+    KV cache for the memory training freed. Real runtime; the engine group and the weight
+    sync are wrapped to record the order of their calls."""
+    from trainer.loop import Driver
+    from trainer.runtime import Runtime
+
+    config = compose_config("train.num_steps=1", "rollout.rollout_batch_size=1",
+                            "rollout.n_samples_per_prompt=2", "eval.before_and_after=false",
+                            "rollout.num_engines=1", "train.ranks_per_node=1")
+    log: list = []
+    with Runtime(config, tmp_path) as rt:
+        rt.engines = _Spy(rt.engines, {"release_memory", "resume_memory"}, log)
+        rt.weights = _Spy(rt.weights, {"push"}, log)
+        steps = list(Driver(config, tmp_path, rt).colocated_steps(0))
+    assert [s for s, _ in steps] == [1]
+    assert log == [("release_memory", None), ("resume_memory", ["weights"]), ("push", 1),
+                   ("resume_memory", ["kv_cache", "cuda_graph"])]
