@@ -93,7 +93,9 @@ def _record_homegym_traffic(version: str, model_path: str, tmp_path) -> list:
                                                     group_name=name),
                      rank=0, world_size=1, weight_group=group)
         client.destroy_weights_update_group(name)
-        client.update_weights_from_disk(model_path, version=3)
+        send_weights([weights], dataclasses.replace(plan, mode="disk", version=3,
+                                                    disk_dir=str(tmp_path / "push")),
+                     rank=0, world_size=1)
         client.pause_generation("in_place")
         client.continue_generation()
         client.abort_all()
@@ -131,7 +133,8 @@ def test_every_route_and_key_homegym_sends_exists_in_sglang(contract, traffic):
     seen = {(m, p) for m, p, _ in traffic}
     # The scenario reached the routes that matter (a silent short-cut would hide them).
     for must in ("/update_weights_from_tensor", "/update_weights_from_distributed",
-                 "/init_weights_update_group", "/model_info", "/generate"):
+                 "/update_weights_from_disk", "/init_weights_update_group", "/model_info",
+                 "/generate"):
         assert any(p == must for _, p in seen), must
     problems = []
     for method, path, body in traffic:
@@ -171,6 +174,8 @@ def test_weight_updates_use_the_session_where_the_version_has_one(contract, traf
                 open_ = False
             elif p in ("/update_weights_from_tensor", "/update_weights_from_distributed"):
                 assert open_, f"{p} outside a weight-update session"
+            elif p == "/update_weights_from_disk":  # re-processes its weights itself
+                assert not open_, f"{p} inside a weight-update session"
     # No update asks the server to flush (fatal with a request queued); flushes are separate.
     for _, p, body in traffic:
         if p.startswith("/update_weights_from"):

@@ -225,7 +225,9 @@ class _Sender:
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)))
 
     def __enter__(self):
-        for e in self.engines:
+        # Sessions wrap the in-place routes only: SGLang's disk route re-processes the
+        # weights itself, and an end_weight_update after it would post-process them again.
+        for e in self.engines if self.plan.mode != "disk" else ():
             self._sessions.enter_context(self.clients[e].weight_update_session())
         if self.plan.loaders and self.plan.mode == "distributed":
             self._loader_call(self.plan.loaders[0], None)  # installs the marks first
