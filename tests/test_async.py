@@ -12,10 +12,8 @@ from pathlib import Path
 
 import pytest
 import requests
-from hydra import compose, initialize_config_dir
 
-from trainer.config import build_config
-from trainer.main import CONF_DIR
+from conftest import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -63,11 +61,6 @@ def test_no_trained_sample_is_staler_than_the_bound(tmp_path):
     for key in ("perf/trainer_wait_time", "perf/engine_idle_time", "perf/weight_sync_time",
                 "perf/weight_sync_bytes"):
         assert all(key in r for r in steps), key
-
-
-def compose_config(*overrides):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return build_config(compose(config_name="config", overrides=list(overrides)))
 
 
 @pytest.mark.parametrize("pause", [False, True])

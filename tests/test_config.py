@@ -5,20 +5,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from trainer.config import ConfigError, HomegymConfig, build_config
-from trainer.main import CONF_DIR
+from conftest import compose_config
+from trainer.config import ConfigError, HomegymConfig
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml"))
 GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml"))
           for g in ("model", "cluster", "algo", "env")}
-
-
-def compose_config(*overrides: str) -> HomegymConfig:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return build_config(compose(config_name="config", overrides=list(overrides)))
 
 
 def test_default_is_the_cpu_recipe():

@@ -4,7 +4,6 @@ Everything is real: Ray, the CPU engines behind sglang-router, FSDP2 ranks over 
 wandb in offline mode.
 """
 
-import json
 import math
 import os
 import signal
@@ -16,11 +15,9 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from trainer.config import build_config
-from trainer.main import CONF_DIR
+from conftest import compose_config, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -30,17 +27,8 @@ SHORT = ["warmup.steps=20", "rollout.rollout_batch_size=2", "rollout.n_samples_p
          "eval.n_samples_per_prompt=1", "logging.wandb_mode=offline"]
 
 
-def compose_config(*overrides):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return build_config(compose(config_name="config", overrides=list(overrides)))
-
-
 def main_cmd(*overrides):
     return [sys.executable, "-m", "trainer.main", *SHORT, *overrides]
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def test_weight_sync_round_trip(ray_local, tiny_model_path):

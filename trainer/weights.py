@@ -12,7 +12,8 @@ driver. Two paths, both SGLang's own routes:
   group the engines joined (`init_weights_update_group` + `update_weights_from_distributed`;
   NCCL on GPU, gloo on CPU).
 - ``disk``: rank 0 writes safetensors files that every engine loads
-  (`update_weights_from_disk`); slowest, and the one path SGLang's CPU backend gets right.
+  (`update_weights_from_disk`); the slowest, and the one that needs no shared memory or
+  process group between trainer and engines.
 
 Every update runs inside the server's weight-update session where it has one (SGLang
 0.5.23), never asks the server to flush per bucket (that fails, or on 0.5.18 kills the

@@ -84,9 +84,6 @@ class _FanOut:
     def weight_versions(self) -> list[str]:
         return self._all("weight_version")
 
-    def update_weights_from_disk(self, path: str, version=None) -> list:
-        return self._all("update_weights_from_disk", path, version=version)
-
 
 class EngineView(_FanOut):
     """Some engines of a group, with the group's fan-out methods (e.g. a weight push to the
