@@ -1,15 +1,15 @@
 """Config composition and validation: every shipped config composes, mistakes are named."""
 
+import dataclasses
 import subprocess
 import sys
-from pathlib import Path
-
 import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
-from conftest import compose_config
+from conftest import REPO, compose_config
 from trainer.config import ConfigError, HomegymConfig
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml"))
 GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml"))
           for g in ("model", "cluster", "algo", "env")}
@@ -18,7 +18,9 @@ GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml"))
 def test_default_is_the_cpu_recipe():
     default = compose_config()
     explicit = compose_config("+recipe=number_guess_cpu")
-    assert default == explicit
+    # The same run; only the name differs (no recipe: named after env and model).
+    assert dataclasses.replace(default, recipe_name="number_guess_cpu") == explicit
+    assert (default.label, explicit.label) == ("number_guess-tiny-qwen3", "number_guess_cpu")
     assert default.cluster.device == "cpu" and default.rollout.engine == "hf"
     assert default.model.path == "tiny-qwen3"
     assert default.num_engines == 2
@@ -41,8 +43,40 @@ def test_every_group_option_composes(group, option):
         # A GPU cluster needs a GPU rollout + training layout to be valid.
         overrides.append("+recipe=qwen_4b")
         overrides[0] = f"cluster={option}"
+    if (group, option) == ("env", "custom"):
+        overrides.append("env.name=arithmetic")  # the option leaves the name to the user
     config = compose_config(*overrides)
     assert isinstance(config, HomegymConfig)
+    # Every value the option file sets reaches the typed config (recipe keys aside: a
+    # recipe is applied after the group and may override it).
+    recipe = _leaves(OmegaConf.load(REPO / "conf" / "recipe" / "qwen_4b.yaml")) if "+recipe=qwen_4b" in overrides else {}
+    option_file = OmegaConf.load(REPO / "conf" / group / f"{option}.yaml")
+    expected = _leaves(option_file, () if _is_global(group, option) else (group,))
+    composed = _leaves(OmegaConf.structured(config))
+    given = {o.split("=")[0] for o in overrides}
+    checked = {k: v for k, v in expected.items()
+               if v != "???" and k not in recipe and k not in given}
+    assert checked, f"{group}={option} sets nothing checkable"
+    assert {k: composed.get(k) for k in checked} == checked
+
+
+def _is_global(group, option):
+    return "@package _global_" in (REPO / "conf" / group / f"{option}.yaml").read_text()
+
+
+def _leaves(node, prefix=()) -> dict:
+    """Dotted key -> value for every leaf of a config (lists kept whole), without defaults."""
+    container = node if isinstance(node, dict) else OmegaConf.to_container(node, resolve=False)
+    out = {}
+    for key, value in container.items():
+        if key == "defaults" and not prefix:
+            continue
+        path = (*prefix, str(key))
+        if isinstance(value, dict) and value:
+            out.update(_leaves(value, path))
+        else:
+            out[".".join(path)] = list(value) if isinstance(value, (list, tuple)) else value
+    return out
 
 
 def test_qwen_4b_matches_the_seed_recipe():
@@ -58,12 +92,12 @@ def test_qwen_4b_matches_the_seed_recipe():
 
 
 def test_unknown_key_is_named():
-    with pytest.raises(Exception, match="bogus"):
+    with pytest.raises(ConfigCompositionException, match="bogus"):
         compose_config("rollout.bogus=1")
 
 
 def test_wrong_type_is_named():
-    with pytest.raises(Exception, match="rollout.rollout_batch_size"):
+    with pytest.raises(ConfigCompositionException, match="rollout.rollout_batch_size"):
         compose_config("rollout.rollout_batch_size=abc")
 
 

@@ -496,7 +496,7 @@ class TrainConfig:
     def launch(self) -> "Run":
         overrides, values = self._base()
         composed = compose_config(overrides, values)  # cheap validation before Ray starts
-        run_name = self.run_name or f"{composed.recipe_name}-{datetime.now():%Y%m%d-%H%M%S-%f}"
+        run_name = self.run_name or f"{composed.label}-{datetime.now():%Y%m%d-%H%M%S-%f}"
         _connect(composed, self.recipe.pip_packages())
         values = OmegaConf.to_container(OmegaConf.merge(
             OmegaConf.create(values),

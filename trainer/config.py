@@ -320,6 +320,8 @@ class EnvConfig:
     kwargs: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _check(bool(self.name), "env.name", "must name the environment: a registered name "
+               "or a dotted path such as env.name=mypkg.envs:MyEnv")
         _check(self.max_turns >= 1, "env.max_turns", "must be >= 1")
 
 
@@ -344,7 +346,7 @@ class EvalConfig:
 @dataclass
 class LoggingConfig:
     output_dir: str = "outputs"
-    run_name: Optional[str] = None  # null = <recipe>-<timestamp>
+    run_name: Optional[str] = None  # null = <recipe, else env-model>-<timestamp>
     wandb_mode: str = "offline"  # online | offline | disabled
     wandb_project: str = "homegym"
     wandb_group: Optional[str] = None
@@ -357,7 +359,8 @@ class LoggingConfig:
 
 @dataclass
 class HomegymConfig:
-    recipe_name: str = "number_guess_cpu"
+    # Set by recipes; null (no recipe) names runs after what they train: <env>-<model>.
+    recipe_name: Optional[str] = None
     model: ModelConfig = field(default_factory=ModelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -417,6 +420,15 @@ class HomegymConfig:
             _check(train.backend == "fsdp", "train.share_prompts", "needs train.backend=fsdp")
             _check(not train.gradient_checkpointing, "train.share_prompts",
                    "cannot be combined with train.gradient_checkpointing")
+
+    @property
+    def label(self) -> str:
+        """What this run trains, for run names: the recipe, else <env>-<model>."""
+        if self.recipe_name:
+            return self.recipe_name
+        env = self.env.name.replace(":", ".").rsplit(".", 1)[-1].lower()
+        model = self.model.path.rstrip("/").rsplit("/", 1)[-1]
+        return f"{env}-{model}"
 
     @property
     def shares_prompts(self) -> bool:

@@ -770,7 +770,7 @@ def plan_memory(config, *, arch: Optional[ModelArch] = None, gpu: Optional[str] 
     if tight:
         notes.append(f"under {TIGHT_FRACTION:.0%} headroom at {', '.join(tight)}: allocator "
                      "fragmentation may still run out of memory")
-    return MemoryPlan(recipe=config.recipe_name, arch=arch, arch_source=source, gpu=gpu_name,
+    return MemoryPlan(recipe=config.label, arch=arch, arch_source=source, gpu=gpu_name,
                       capacity=capacity, layout="colocated" if colocate else "disaggregated",
                       phases=phases, summary=tuple(summary), notes=tuple(notes),
                       suggestions=suggestions)
