@@ -36,11 +36,22 @@ def test_cpu_recipe_fields_map_onto_the_hydra_config():
     assert cfg.warmup.steps == 5
 
 
-def test_gpu_recipe_matches_the_cli_composition():
-    from trainer.api import compose_config
+def cli_config(monkeypatch, *overrides):
+    """The config `python -m trainer.main OVERRIDES` hands to its run: the real
+    @hydra.main entry point, stopped before anything starts."""
+    import trainer.main as entry
 
+    seen = []
+    monkeypatch.setattr(entry, "run", seen.append)
+    monkeypatch.setattr(sys, "argv", ["trainer.main", *overrides])
+    entry.main()
+    assert len(seen) == 1
+    return seen[0]
+
+
+def test_gpu_recipe_matches_the_cli_composition(monkeypatch):
     via_api = TrainConfig(model=Qwen3_4B("/models/q4b"), recipe=Qwen3_4B_Recipe()).build()
-    via_cli = compose_config(["+recipe=qwen_4b", "model.path=/models/q4b"])
+    via_cli = cli_config(monkeypatch, "+recipe=qwen_4b", "model.path=/models/q4b")
     assert via_api == via_cli  # one code path: same Hydra composition, same object
 
     cfg = TrainConfig(model=Qwen3_4B("/models/q4b"), recipe=Qwen3_4B_Recipe(

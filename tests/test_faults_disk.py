@@ -4,8 +4,10 @@ checkpoint intact and ``latest()`` unchanged. Fast: no Ray, no engines."""
 
 import errno
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -35,17 +37,48 @@ def test_preflight_rejects_a_path_that_cannot_be_a_directory(tmp_path):
         preflight_output_dir(blocker / "run", min_free_bytes=0)
 
 
-def test_preflight_rejects_a_read_only_directory(tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o500)
+def test_preflight_rejects_a_read_only_directory():
+    # Outside tmp_path (pytest's tree is private to its user) so an unprivileged user can
+    # reach the directory; as root, permission bits only bind once the check drops to one.
+    base = Path(tempfile.mkdtemp(prefix="hg-ro-"))
     try:
-        if os.access(ro, os.W_OK):  # root ignores permission bits
-            pytest.skip("running as root: permission bits do not stop writes")
-        with pytest.raises(CheckpointError, match="cannot write"):
-            preflight_output_dir(ro / "run", min_free_bytes=0)
+        base.chmod(0o755)
+        ro = base / "ro"
+        ro.mkdir(mode=0o555)
+        ro.chmod(0o555)
+        error = _as_unprivileged_user(lambda: preflight_output_dir(ro / "run", min_free_bytes=0))
+        assert error.startswith("CheckpointError: logging.output_dir: cannot write"), error
+        assert "Permission denied" in error
+        assert not (ro / "run").exists()
     finally:
-        ro.chmod(0o700)
+        shutil.rmtree(base)
+
+
+def _as_unprivileged_user(fn) -> str:
+    """``type: message`` of what ``fn`` raises, run as user nobody when this is root."""
+    if os.geteuid() != 0:
+        try:
+            fn()
+        except Exception as err:
+            return f"{type(err).__name__}: {err}"
+        return "no error"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: drop to nobody, report, exit without running pytest's teardown
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            fn()
+            result = "no error"
+        except Exception as err:
+            result = f"{type(err).__name__}: {err}"
+        os.write(write, result.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        result = f.read()
+    os.waitpid(pid, 0)
+    return result
 
 
 def test_preflight_rejects_too_little_free_space(tmp_path):
@@ -86,7 +119,7 @@ def test_failed_save_keeps_previous_checkpoint_and_latest(tmp_path, fault):
     mgr = CheckpointManager(tmp_path)
     first = _save(mgr, 1)
     assert mgr.latest() == first
-    with pytest.raises(Exception):
+    with pytest.raises(CheckpointError, match="saving checkpoint step 2"):
         _save(mgr, 2, fail=fault)
     assert mgr.latest() == first
     assert (mgr.root / "latest").resolve() == first.resolve()
@@ -133,7 +166,7 @@ def test_disk_full_mid_write_for_real(tmp_path):
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert "SAVE FAILED" in proc.stdout, proc.stdout + proc.stderr
+    assert "SAVE FAILED: CheckpointError" in proc.stdout, proc.stdout + proc.stderr
     mgr = CheckpointManager(tmp_path)
     assert mgr.latest() == mgr.root / "step_000001"
     assert (mgr.root / "latest").resolve().name == "step_000001"
