@@ -28,6 +28,18 @@ def test_grpo_groups_need_not_be_contiguous_and_equal_rewards_give_zero():
     assert torch.equal(adv, torch.zeros(4))
 
 
+@pytest.mark.parametrize("reward", [1.7, 1.8, 0.1, 1.9])
+@pytest.mark.parametrize("n", [8, 16])
+def test_grpo_group_of_equal_non_representable_rewards_has_exactly_zero_advantage(reward, n):
+    # n x reward / n is not reward in float32 for these: the rounding error divided by
+    # std + eps would otherwise give advantages of up to ~0.24.
+    adv = grpo_advantages(torch.full((n + 2,), reward).index_fill(0, torch.tensor([n, n + 1]), 0.0)
+                          .index_fill(0, torch.tensor([n + 1]), 1.0),
+                          torch.tensor([0] * n + [1, 1]))
+    assert torch.equal(adv[:n], torch.zeros(n))
+    assert adv[n] < 0 < adv[n + 1]
+
+
 def test_dr_grpo_has_no_std():
     adv = sequence_advantages("dr_grpo", t(1, 0, 0, 0), torch.tensor([0, 0, 0, 0]))
     assert torch.allclose(adv, t(0.75, -0.25, -0.25, -0.25))

@@ -43,7 +43,20 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *,
     if normalize_std:
         var = (total_sq - count * mean * mean) / (count - 1).clamp(min=1)
         adv = adv / (var.clamp(min=0).sqrt() + eps)
-    return torch.where(count > 1, adv, torch.zeros_like(adv))
+    # A group whose rewards are all equal carries no signal. Its float mean is not always
+    # exactly its reward (8 x 1.7 / 8 != 1.7 in float32), and dividing that rounding error
+    # by std + eps would turn it into advantages of up to ~0.2: zero them exactly.
+    return torch.where((count > 1) & ~uniform_groups(rewards, group_ids), adv, torch.zeros_like(adv))
+
+
+def uniform_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Per sample: True where every reward of its group is the same."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    init = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device)
+    high = init.scatter_reduce(0, inverse, rewards, "amax", include_self=False)
+    low = init.scatter_reduce(0, inverse, rewards, "amin", include_self=False)
+    return (high == low)[inverse]
 
 
 def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
