@@ -16,13 +16,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
+from urllib.parse import urlsplit
 
 import aiohttp
 
-from rollout.engines.client import EngineError
+from rollout.engines.client import EngineError, backoff_delays, may_retry
 from rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -32,8 +32,10 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------------------
 
 _SESSIONS: dict[int, aiohttp.ClientSession] = {}
-# Transient failures: worth a retry with backoff (engine restarting, router re-registering).
-_RETRY_STATUS = {502, 503, 504}
+# Names for base URLs in error messages (the manager names its router); others read host:port.
+ENDPOINT_NAMES: dict[str, str] = {}
+# Requests of this process sent again after a failure (the manager reports it per step).
+RETRIES = {"requests": 0}
 
 
 class _AbortSwitch:
@@ -76,20 +78,31 @@ async def close_session() -> None:
         await session.close()
 
 
+def _where(url: str) -> tuple[str, str]:
+    """(endpoint name, route) of ``url``, for error messages."""
+    parts = urlsplit(url)
+    base = f"{parts.scheme}://{parts.netloc}"
+    return ENDPOINT_NAMES.get(base, parts.netloc), parts.path or "/"
+
+
 async def post(url: str, payload: Optional[dict] = None, *, max_retries: int = 8,
                method: str = "POST") -> Any:
     """POST JSON and return the decoded JSON answer (or text when it is not JSON).
 
-    Connection errors (refused, reset, dropped mid-answer) and 502/503/504 are retried
-    with exponential backoff and jitter -- an engine that dies mid-request costs a retry
-    on another engine, not the sample; any other HTTP error raises ``EngineError`` with
-    the server's message.
+    Failures are retried with exponential backoff and jitter where repeating the request
+    is safe (``rollout.engines.client.may_retry``): a /generate on any 5xx or dropped
+    connection -- an engine that dies mid-request costs a retry on another engine, not
+    the sample -- and any request that never reached a server (refused connection, 503).
+    Otherwise, or once the retries are spent, ``EngineError`` names the engine (or router)
+    and route, with the status and the server's message.
     """
     if ABORT.on and url.endswith("/generate"):
         return _abort_response()
     session = get_session()
-    delay = 0.05
+    name, route = _where(url)
+    delays = backoff_delays(max_retries, first_s=0.05, cap_s=2.0)
     for attempt in range(max_retries + 1):
+        tries = f" after {attempt + 1} attempts" if attempt else ""
         try:
             async with session.request(method, url, json=payload) as resp:
                 if resp.status < 400:
@@ -106,18 +119,21 @@ async def post(url: str, payload: Optional[dict] = None, *, max_retries: int = 8
                     except ValueError:
                         return body
                 body = await resp.text()
-                if resp.status not in _RETRY_STATUS or attempt == max_retries:
-                    raise EngineError(f"{method} {url} -> HTTP {resp.status}: {body[:500]}")
+                if attempt == max_retries or not may_retry(method, route, resp.status):
+                    raise EngineError(f"{method} {url} -> HTTP {resp.status}{tries}: "
+                                      f"{body[:500]}", status=resp.status, engine=name,
+                                      route=route)
         # ClientPayloadError: the connection dropped mid-answer (an engine died while
         # streaming its reply through the router): the request is retried, and the
         # router sends it to a live engine.
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
                 asyncio.TimeoutError) as e:
-            if attempt == max_retries:
-                raise EngineError(f"{method} {url}: unreachable after {max_retries + 1} "
-                                  f"attempts: {e!r}") from e
-        await asyncio.sleep(delay * (1 + random.random()))
-        delay = min(delay * 2, 2.0)
+            connected = not isinstance(e, aiohttp.ClientConnectorError)
+            if attempt == max_retries or not may_retry(method, route, None, connected=connected):
+                raise EngineError(f"{method} {url}: unreachable{tries}: {e!r}",
+                                  engine=name, route=route) from e
+        RETRIES["requests"] += 1
+        await asyncio.sleep(delays[attempt])
     raise AssertionError("unreachable")
 
 

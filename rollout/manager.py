@@ -164,6 +164,7 @@ class RolloutManagerCore:
         r = config.rollout
         self.args = RolloutArgs(config, router_url)
         self.state = GenerateState(self.args)
+        gen.ENDPOINT_NAMES[self.state.router_url] = "router"
         self.env_cls = None if config.env.name in _NO_ENV else get_env_class(config.env.name)
         self.custom_generate = (load_plugin(r.custom_generate_function,
                                             "rollout.custom_generate_function")
@@ -366,6 +367,7 @@ class RolloutManagerCore:
         r = self.config.rollout
         t0 = time.perf_counter()
         stats = _StepStats()
+        retries_before = gen.RETRIES["requests"]
         sampling_params = dict(self.state.sampling_params)
         want = r.rollout_batch_size
         in_flight_target = r.over_sampling_batch_size or want
@@ -416,6 +418,7 @@ class RolloutManagerCore:
             "rollout/resumed_groups": float(stats.resumed),
             "rollout/buffered_groups": float(len(self.buffer)),
             "rollout/accepted_groups": float(len(accepted)),
+            "rollout/request_retries": float(gen.RETRIES["requests"] - retries_before),
             "perf/rollout_time": elapsed,
             "perf/tokens_per_s": stats.model_tokens / elapsed if elapsed > 0 else 0.0,
         })

@@ -48,6 +48,41 @@ class UnsupportedEngineVersion(EngineError):
     pass
 
 
+# Requests that may be sent again after a failure, whatever the server did with the first:
+# a /generate restarts its sample (a fresh draw; a partial rollout keeps only tokens it was
+# answered), and the others only read, abort or set a state that a repeat leaves as it is.
+# Weight updates, memory release/resume and group formation are not among them: a repeat
+# can load half a version or join a group twice, so the caller decides (the driver re-does
+# a whole push after restarting a dead engine).
+IDEMPOTENT_ROUTES = frozenset({
+    "/generate", "/v1/chat/completions", "/v1/completions", "/abort_request",
+    "/pause_generation", "/continue_generation", "/flush_cache", "/get_weights_by_name"})
+RETRY_STATUS = frozenset({500, 502, 503, 504})
+
+
+def may_retry(method: str, route: str, status: Optional[int], *, connected: bool = True) -> bool:
+    """Whether a failed request is worth sending again. ``status`` None: no answer (the
+    connection failed; ``connected`` False when it was never established, so nothing was
+    sent). Idempotent requests are retried on any 5xx and connection failure; the rest only
+    where the server cannot have acted on them: no connection, or 503 (the server or the
+    router in front of it refused the request as unavailable, without forwarding it)."""
+    if method.upper() == "GET" or route in IDEMPOTENT_ROUTES:
+        return status is None or status in RETRY_STATUS
+    return (status is None and not connected) or status == 503
+
+
+def backoff_delays(max_retries: int, *, first_s: float, cap_s: float) -> list[float]:
+    """Exponential backoff with full jitter on top (so many samples retrying at once after
+    an engine died do not return together)."""
+    import random
+
+    delays, delay = [], first_s
+    for _ in range(max_retries):
+        delays.append(delay * (1 + random.random()))
+        delay = min(delay * 2, cap_s)
+    return delays
+
+
 def check_version(version: str, *, engine: str = "engine") -> str:
     if version not in SUPPORTED_SGLANG_VERSIONS:
         raise UnsupportedEngineVersion(
@@ -64,11 +99,14 @@ class EngineClient:
     that streams weights to the engines, a test."""
 
     def __init__(self, url: str, api_key: Optional[str] = None, *, name: str = "engine",
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, max_retries: int = 3):
         self.url = url.rstrip("/")
         self.name = name
         self.timeout_s = timeout_s
         self.api_key = api_key
+        # Few, short retries (about 1 s in all): an engine that is down stays down until the
+        # driver restarts it, and a fan-out should fail fast naming it.
+        self.max_retries = max_retries
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.session = requests.Session()
         self._version: Optional[str] = None
@@ -86,21 +124,38 @@ class EngineClient:
     # ---- plumbing ----
     def call(self, route: str, payload: Optional[dict] = None, *, method: str = "POST",
              timeout_s: Optional[float] = None) -> Any:
-        try:
-            r = self.session.request(method, self.url + route, json=payload, headers=self.headers,
-                                     timeout=timeout_s or self.timeout_s)
-        except requests.RequestException as err:
-            raise EngineError(f"unreachable at {self.url}: {err}", engine=self.name,
-                              route=route) from err
-        try:
-            data = r.json()
-        except ValueError:
-            data = r.text
-        failed = isinstance(data, dict) and data.get("success") is False
-        if r.status_code >= 300 or failed:
-            raise EngineError(f"HTTP {r.status_code}: {_message(data)}", status=r.status_code,
-                              engine=self.name, route=route)
-        return data
+        """One admin request; retried with backoff where ``may_retry`` allows, else (or
+        once the retries are spent) an EngineError naming this engine and the route."""
+        delays = backoff_delays(self.max_retries, first_s=0.1, cap_s=1.0)
+        for attempt in range(self.max_retries + 1):
+            try:
+                r = self.session.request(method, self.url + route, json=payload,
+                                         headers=self.headers, timeout=timeout_s or self.timeout_s)
+            except requests.RequestException as err:
+                connected = not isinstance(err, requests.exceptions.ConnectTimeout) and not (
+                    isinstance(err, requests.ConnectionError)
+                    and "Connection refused" in str(err))
+                if attempt < self.max_retries and may_retry(method, route, None,
+                                                            connected=connected):
+                    time.sleep(delays[attempt])
+                    continue
+                tries = f" after {attempt + 1} attempts" if attempt else ""
+                raise EngineError(f"unreachable at {self.url}{tries}: {err}", engine=self.name,
+                                  route=route) from err
+            try:
+                data = r.json()
+            except ValueError:
+                data = r.text
+            failed = isinstance(data, dict) and data.get("success") is False
+            if r.status_code < 300 and not failed:
+                return data
+            if attempt < self.max_retries and may_retry(method, route, r.status_code):
+                time.sleep(delays[attempt])
+                continue
+            tries = f" (after {attempt + 1} attempts)" if attempt else ""
+            raise EngineError(f"HTTP {r.status_code}{tries}: {_message(data)}",
+                              status=r.status_code, engine=self.name, route=route)
+        raise AssertionError("unreachable")
 
     # ---- version ----
     def server_info(self) -> dict:

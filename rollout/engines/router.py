@@ -26,7 +26,8 @@ class Router:
     def __init__(self, host: str = "127.0.0.1", port: Optional[int] = None,
                  tokenizer_path: Optional[str] = None, policy: str = "round_robin",
                  health_check_interval_s: int = 1, health_failure_threshold: int = 2,
-                 request_timeout_s: int = 1800, api_key: Optional[str] = None,
+                 request_timeout_s: int = 1800, circuit_open_s: int = 2,
+                 api_key: Optional[str] = None,
                  log_dir: Optional[str] = None, ready_timeout_s: float = 60.0,
                  extra_args: Sequence[str] = ()):
         if policy not in ("random", "round_robin", "cache_aware", "power_of_two"):
@@ -37,6 +38,7 @@ class Router:
         self.health_check_interval_s = health_check_interval_s
         self.health_failure_threshold = health_failure_threshold
         self.request_timeout_s = request_timeout_s
+        self.circuit_open_s = circuit_open_s
         self.ready_timeout_s = ready_timeout_s
         self.extra_args = list(extra_args)
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="hg-router-")
@@ -56,6 +58,11 @@ class Router:
                "--health-check-interval-secs", str(self.health_check_interval_s),
                "--health-failure-threshold", str(self.health_failure_threshold),
                "--request-timeout-secs", str(self.request_timeout_s),
+               # After a run of failures (an engine answering 503 while it restarts or its
+               # weights are released) the router stops sending to it for this long; its
+               # default, 60 s, would leave a recovered engine -- or the only one -- idle
+               # for a minute. Dead engines are taken out by the health checks anyway.
+               "--cb-timeout-duration-secs", str(self.circuit_open_s),
                "--log-level", "warn",
                # Its metrics exporter otherwise binds a fixed port (29000 on all
                # interfaces), so two routers on one machine would collide.
