@@ -54,7 +54,18 @@ def test_group_serves_through_router_and_syncs_weights(group, tiny_model_path):
     assert gen(group.router_url)["output_ids"] == before["output_ids"]
 
 
-def test_dead_engine_traffic_moves_then_restart_add_remove(group):
+def values(client, name):
+    return torch.tensor(client.get_weights_by_name(name, 10 ** 6))
+
+
+def test_dead_engine_traffic_moves_then_restart_add_remove(group, tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    name = "model.layers.0.mlp.down_proj.weight"
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()[name]
+    new = torch.randn_like(base)  # non-uniform
+    for client in group.clients:
+        push_tensors(client, [(name, new)], version="9")
     pid = ray.get(group.engines[0].pid.remote())
     os.kill(pid, signal.SIGKILL)
     # Requests keep succeeding: the router retries on and then drops the dead worker.
@@ -63,8 +74,16 @@ def test_dead_engine_traffic_moves_then_restart_add_remove(group):
     assert group.health()[0] is False
     group.restart_engine(0)
     assert group.health() == [True, True]
+    # A restarted server starts from model_path until it is pushed to; the survivor keeps
+    # what it was given.
+    assert torch.equal(values(group.clients[0], name), base)
+    assert torch.equal(values(group.clients[1], name), new)
     idx = group.add_engine()
     assert idx == 2 and len(group.router.healthy_urls()) == 3
+    for client in group.clients:
+        push_tensors(client, [(name, new)], version="10")
+    assert group.weight_versions() == ["10"] * 3
+    assert all(torch.equal(values(c, name), new) for c in group.clients)
     group.remove_engine(idx)
     assert set(group.router.healthy_urls()) == set(group.urls)
     gen(group.router_url)

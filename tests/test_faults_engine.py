@@ -52,6 +52,15 @@ def _weights(tiny_model_path, value):
     return [("model.norm.weight", value * ramp)]
 
 
+def assert_every_engine_holds(group, named_tensors):
+    """The values themselves, read back from every engine (a version label alone would
+    pass for a restarted engine still on the base weights)."""
+    for i, client in enumerate(group.clients):
+        for name, want in named_tensors:
+            got = torch.tensor(client.get_weights_by_name(name, 10 ** 6)).reshape(want.shape)
+            assert torch.equal(got, want), f"engine {i}: {name} differs from the pushed tensor"
+
+
 def _rollout_while(cfg, router_url, fault):
     """Run one rollout step; call ``fault()`` once it is well under way."""
     async def go():
@@ -83,8 +92,10 @@ def test_engine_dies_mid_rollout_step_completes_and_engine_recovers(group, tiny_
         # The very push the driver makes (Runtime.recover_engines): WeightSync over a view.
         sync.push(5, engines=view)
 
+    pushed = _weights(tiny_model_path, 2.0)
     push_current(group)
     assert group.weight_versions() == ["5", "5"]
+    assert_every_engine_holds(group, pushed)
 
     # 1. The server process of engine 0 dies mid-rollout.
     server_pid = ray.get(group.engines[0].pid.remote())
@@ -102,6 +113,7 @@ def test_engine_dies_mid_rollout_step_completes_and_engine_recovers(group, tiny_
     assert group.urls[0] != old_url  # a new server (new port)...
     assert group.router.healthy_urls() == set(group.urls)  # ...registered, the old one gone
     assert group.weight_versions() == ["5", "5"]  # and on the current weights
+    assert_every_engine_holds(group, pushed)
 
     # 2. Engine 1's Ray actor itself dies (its server follows it): the actor is re-created.
     batch = _rollout_while(cfg, group.router_url,
@@ -112,6 +124,7 @@ def test_engine_dies_mid_rollout_step_completes_and_engine_recovers(group, tiny_
     assert group.health() == [True, True]
     assert group.router.healthy_urls() == set(group.urls)
     assert group.weight_versions() == ["5", "5"]
+    assert_every_engine_holds(group, pushed)
 
     # 3. Nothing dead: recover is a cheap no-op; both engines serve the pushed weights.
     assert group.recover(push_weights=push_current)["rollout/engines_restarted_now"] == 0.0
