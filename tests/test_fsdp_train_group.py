@@ -102,6 +102,32 @@ def test_shared_prefixes_equal_per_sample_rows(ray_local, tiny_model_path):
         torch.testing.assert_close(p0[name], p1[name], atol=0.05 * 1e-3, rtol=0, msg=name)
 
 
+def test_zero_advantage_samples_are_skipped_without_changing_the_update(ray_local, tiny_model_path):
+    """Groups whose rewards are all equal (zero GRPO advantage, no KL/entropy) run no
+    forward/backward, and the update, loss and grad norm are those of training them."""
+    batch = make_batch(num_groups=4, group_size=4, seed=11)
+    for g in (1, 3):  # two groups without signal; one of them at a reward that float32
+        # means do not reproduce exactly (1.7)
+        for i in range(4 * g, 4 * g + 4):
+            batch.rewards[i] = 1.7 if g == 1 else 0.0
+    results = {}
+    for skip in (False, True):
+        group = TrainGroup(make_config(train={"ranks_per_node": 2, "skip_zero_advantage": skip,
+                                              "max_tokens_per_micro_batch": 96}))
+        try:
+            metrics = group.train_step(batch)
+            results[skip] = (metrics, exported_params(group))
+        finally:
+            group.shutdown()
+    (m0, p0), (m1, p1) = results[False], results[True]
+    assert (m0["train/skipped_samples"], m1["train/skipped_samples"]) == (0, 8)
+    for key in ("train/pg_loss", "train/grad_norm"):
+        assert m0[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-7), key
+    for name in p0:  # see test_two_ranks_equal_one_rank on the tolerance
+        torch.testing.assert_close(p0[name], p1[name], atol=0.05 * 1e-3, rtol=0, msg=name)
+    assert m1["train/grad_norm"] > 0  # the other two groups still trained
+
+
 def test_train_step_improves_objective_and_sft_lowers_nll(group2):
     batch = make_batch(num_groups=4, group_size=4, seed=5)
     before = _surrogate(group2, batch)

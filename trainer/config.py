@@ -249,6 +249,10 @@ class TrainConfig:
     # says. Needs train.backend=fsdp without gradient checkpointing (transformers drops
     # the cache under checkpointing); null = on where it applies.
     share_prompts: Optional[bool] = None
+    # Skip the forward and backward of samples whose loss and gradient are exactly zero
+    # (sequence advantage 0, e.g. a GRPO group with equal rewards, and no KL or entropy
+    # term): the update is unchanged, a batch without learning signal costs little.
+    skip_zero_advantage: bool = True
 
     def __post_init__(self) -> None:
         _one_of(self.backend, "train.backend", ("fsdp", "megatron"))

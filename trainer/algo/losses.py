@@ -31,13 +31,16 @@ class LossNorms:
     norm_len: the constant length Dr.GRPO divides token sums by (the step's longest
     response), so the loss does not favour short or long answers; num_rollout_tokens:
     model tokens whose sample carries engine log-probs (for the mismatch metric; None =
-    all of them).
+    all of them); metric_tokens: model tokens of the samples that ran forward (the
+    denominator of token-mean metrics when zero-advantage samples are skipped; None =
+    num_tokens).
     """
 
     num_tokens: int
     num_seqs: int
     norm_len: int
     num_rollout_tokens: Optional[int] = None
+    metric_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         if min(self.num_tokens, self.num_seqs, self.norm_len) < 0:

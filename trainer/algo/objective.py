@@ -34,7 +34,8 @@ class TokenInputs:
 
 
 def _token_mean(values: torch.Tensor, mask: torch.Tensor, norms: LossNorms) -> torch.Tensor:
-    return (values.detach() * mask).sum() / max(norms.num_tokens, 1)
+    count = norms.metric_tokens if norms.metric_tokens is not None else norms.num_tokens
+    return (values.detach() * mask).sum() / max(count, 1)
 
 
 def policy_objective(algo, inputs: TokenInputs, log_probs: torch.Tensor,

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Collection, Optional, Protocol, Sequence
 
 import torch
 
@@ -129,17 +129,20 @@ def micro_batches(indices: Sequence[int], lengths: Sequence[int], max_tokens: in
 
 
 def plan_step(batch: BatchLike, *, rank: int, world_size: int, global_batch_size: int | None,
-              max_tokens: int, keep_groups: bool = False) -> list[list[list[int]]]:
+              max_tokens: int, keep_groups: bool = False,
+              skip: Collection[int] = frozenset()) -> list[list[list[int]]]:
     """This rank's micro-batches (lists of sample indices) for each optimizer step.
 
     Every rank returns the same number of micro-batches per step (padding with empty
     ones), because FSDP/Megatron collectives must be entered by all ranks. With
     ``keep_groups`` (shared-prefix training) whole groups are dealt to ranks and kept
     together in micro-batches, as long as there are at least as many groups as ranks.
+    Samples in ``skip`` are left out (``step_norms`` still counts them).
     """
     lengths = [len(t) for t in batch.tokens]
     plan = []
     for mb in minibatch_ranges(len(lengths), global_batch_size):
+        mb = [i for i in mb if i not in skip]
         units: dict[int, list[int]] = {}
         for i in mb:
             units.setdefault(batch.group_ids[i] if keep_groups else i, []).append(i)
@@ -348,10 +351,15 @@ def build_shared_prefix_micro_batch(batch: BatchLike, sample_ids: list[int], *,
                       seq_idx, *_token_fields(batch, sample_ids, seq_idx), shared=shared)
 
 
-def step_norms(batch: BatchLike, sample_range: Sequence[int]) -> LossNorms:
-    """Global loss denominators of one optimizer step (all ranks' samples)."""
+def step_norms(batch: BatchLike, sample_range: Sequence[int],
+               skip: Collection[int] = frozenset()) -> LossNorms:
+    """Global loss denominators of one optimizer step (all ranks' samples). Samples in
+    ``skip`` (no forward: their loss is zero) still count in the loss's denominators, so
+    skipping them leaves the gradient unchanged; metrics average over the rest."""
+    ran = [i for i in sample_range if i not in skip]
     return LossNorms(num_tokens=sum(sum(batch.loss_masks[i]) for i in sample_range),
                      num_seqs=len(sample_range),
                      norm_len=max(batch.response_lengths[i] for i in sample_range),
-                     num_rollout_tokens=sum(sum(batch.loss_masks[i]) for i in sample_range
-                                            if batch.rollout_log_probs[i]))
+                     num_rollout_tokens=sum(sum(batch.loss_masks[i]) for i in ran
+                                            if batch.rollout_log_probs[i]),
+                     metric_tokens=sum(sum(batch.loss_masks[i]) for i in ran))

@@ -29,7 +29,7 @@ from trainer.backends.batching import (
     minibatch_ranges, plan_step, step_norms)
 from trainer.backends import packed_attention
 from trainer.backends.rl_step import (
-    micro_batch_advantages, per_sample_log_probs, train_step_metrics)
+    micro_batch_advantages, per_sample_log_probs, train_step_metrics, zero_advantage_samples)
 from trainer.backends.schedule import lr_at
 from trainer.models import cache_kwarg, keeps_boolean_logits
 
@@ -210,10 +210,11 @@ class FSDPBackend:
         if algo.policy_loss == "sft":
             return self.sft_step(batch)
         ranges = minibatch_ranges(len(batch.tokens), train.global_batch_size)
+        skip = zero_advantage_samples(self.config, batch)
         plan = plan_step(batch, rank=self.rank, world_size=self.world_size,
                          global_batch_size=train.global_batch_size,
                          max_tokens=train.max_tokens_per_micro_batch,
-                         keep_groups=self.share_prompts)
+                         keep_groups=self.share_prompts, skip=skip)
         mbs = [[self._micro_batch(batch, ids) for ids in step] for step in plan]
         flat_mbs = [mb for step in mbs for mb in step]
 
@@ -234,7 +235,7 @@ class FSDPBackend:
         grad_norms, lrs = [], []
         k = 0
         for step_range, step_mbs in zip(ranges, mbs):
-            norms = step_norms(batch, step_range)
+            norms = step_norms(batch, step_range, skip)
             lr = lr_at(self.optimizer_steps, lr=train.lr, min_lr=train.min_lr,
                        schedule=train.lr_schedule, warmup_steps=train.warmup_steps,
                        total_steps=self.total_optimizer_steps)
@@ -261,7 +262,7 @@ class FSDPBackend:
             lrs.append(lr)
             self.optimizer_steps += 1
         return train_step_metrics(self._all_reduce_metrics(sums), grad_norms=grad_norms,
-                                  lrs=lrs, start=start)
+                                  lrs=lrs, start=start, skipped=len(skip))
 
     def sft_step(self, batch: BatchLike) -> dict[str, float]:
         """One supervised optimizer step at ``warmup.lr`` (the RL LR schedule is untouched)."""

@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from trainer.algo.advantages import masked_whiten, reinforce_pp_returns, sequence_advantages
+from trainer.algo.advantages import (
+    SEQUENCE_ESTIMATORS, masked_whiten, reinforce_pp_returns, sequence_advantages)
 from trainer.algo.losses import kl_penalty
 from trainer.backends.batching import BatchLike, MicroBatch
 
@@ -56,6 +57,20 @@ def micro_batch_advantages(algo, batch: BatchLike, mbs: list[MicroBatch],
             if mb.num_seqs else r for r, mb in zip(returns, mbs)]
 
 
+def zero_advantage_samples(config, batch: BatchLike) -> frozenset[int]:
+    """Samples whose loss and gradient are exactly zero, so training can skip their
+    forward and backward: a sequence-level advantage of 0 (e.g. a GRPO group whose
+    rewards are all equal) with no KL or entropy term. Empty when train.skip_zero_advantage
+    is off or another term would still give them a gradient."""
+    algo = config.algo
+    if (not config.train.skip_zero_advantage or algo.advantage_estimator not in SEQUENCE_ESTIMATORS
+            or algo.kl_coef > 0 or algo.entropy_coef > 0):
+        return frozenset()
+    adv = sequence_advantages(algo.advantage_estimator, torch.tensor(batch.rewards, dtype=torch.float32),
+                              torch.tensor(batch.group_ids))
+    return frozenset(torch.nonzero(adv == 0).flatten().tolist())
+
+
 def per_sample_log_probs(mbs: list[MicroBatch], flat: list[torch.Tensor], *,
                          num_samples: int, contribute: bool = True) -> list[torch.Tensor]:
     """Split each micro-batch's flat response log-probs by sample and gather every rank's
@@ -74,7 +89,7 @@ def per_sample_log_probs(mbs: list[MicroBatch], flat: list[torch.Tensor], *,
 
 
 def train_step_metrics(reduced: dict[str, float], *, grad_norms: list[float], lrs: list[float],
-                       start: float) -> dict[str, float]:
+                       start: float, skipped: int = 0) -> dict[str, float]:
     """A train step's metrics from its all-reduced sums. Each contribution was normalised by
     its optimizer step's global counts, so sum / number of optimizer steps is the mean per
     step."""
@@ -83,5 +98,6 @@ def train_step_metrics(reduced: dict[str, float], *, grad_norms: list[float], lr
     out["train/grad_norm"] = sum(grad_norms) / num_steps
     out["train/lr"] = lrs[-1]
     out["train/optimizer_steps"] = float(num_steps)
+    out["train/skipped_samples"] = float(skipped)
     out["perf/train_time"] = time.perf_counter() - start
     return out

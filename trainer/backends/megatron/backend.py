@@ -44,7 +44,7 @@ from trainer.backends.batching import (
     step_norms)
 from trainer.backends.megatron import hf_map
 from trainer.backends.rl_step import (
-    micro_batch_advantages, per_sample_log_probs, train_step_metrics)
+    micro_batch_advantages, per_sample_log_probs, train_step_metrics, zero_advantage_samples)
 from trainer.backends.schedule import lr_at
 
 log = logging.getLogger("homegym.megatron")
@@ -295,10 +295,10 @@ class MegatronBackend:
                                    group=group)
         return [obj[0][k].to(self.device) for k in range(n)]
 
-    def _plan(self, batch: BatchLike, global_batch_size: Optional[int]):
+    def _plan(self, batch: BatchLike, global_batch_size: Optional[int], skip=frozenset()):
         return plan_step(batch, rank=self.dp_rank, world_size=self.dp_size,
                          global_batch_size=global_batch_size,
-                         max_tokens=self.config.train.max_tokens_per_micro_batch)
+                         max_tokens=self.config.train.max_tokens_per_micro_batch, skip=skip)
 
     def log_probs(self, batch: BatchLike) -> list[torch.Tensor]:
         check_batch(batch)
@@ -357,7 +357,8 @@ class MegatronBackend:
         if algo.policy_loss == "sft":
             return self.sft_step(batch)
         ranges = minibatch_ranges(len(batch.tokens), train.global_batch_size)
-        plan = self._plan(batch, train.global_batch_size)
+        skip = zero_advantage_samples(self.config, batch)
+        plan = self._plan(batch, train.global_batch_size, skip)
         mbs = [[build_micro_batch(batch, ids, pad_token_id=self.pad_token_id) for ids in step]
                for step in plan]
         flat_mbs = [mb for step in mbs for mb in step]
@@ -374,7 +375,7 @@ class MegatronBackend:
         grad_norms, lrs = [], []
         base = 0
         for step_range, step_mbs in zip(ranges, mbs):
-            norms = step_norms(batch, step_range)
+            norms = step_norms(batch, step_range, skip)
             lr = lr_at(self.optimizer_steps, lr=train.lr, min_lr=train.min_lr,
                        schedule=train.lr_schedule, warmup_steps=train.warmup_steps,
                        total_steps=self.total_optimizer_steps)
@@ -407,7 +408,7 @@ class MegatronBackend:
             self.optimizer_steps += 1
             base += len(step_mbs)
         return train_step_metrics(self._all_reduce_metrics(sums), grad_norms=grad_norms,
-                                  lrs=lrs, start=start)
+                                  lrs=lrs, start=start, skipped=len(skip))
 
     def sft_step(self, batch: BatchLike) -> dict[str, float]:
         start = time.perf_counter()
