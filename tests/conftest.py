@@ -108,3 +108,27 @@ def run_main(tmp_path, *overrides, timeout_s: float = 600, run_name: str = "run"
     if proc.returncode != 0:
         pytest.fail(f"trainer.main exited {proc.returncode}:\n{output[-4000:]}")
     return MainRun(out_dir / run_name, output)
+
+
+class MainExit:
+    def __init__(self, returncode: int, stdout: str, stderr: str, seconds: float, run_dir: Path):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+        self.seconds, self.run_dir = seconds, run_dir
+
+
+def main_exit(tmp_path, *overrides, env: dict | None = None, timeout_s: float = 120,
+              run_name: str = "run") -> MainExit:
+    """``python -m trainer.main`` expected to stop (a config error, a start-up check): its
+    exit code, stdout and stderr apart, and how long it took. ``env``: extra variables."""
+    import subprocess
+    import sys
+    import time
+
+    out_dir = Path(tmp_path) / "out"
+    cmd = [sys.executable, "-m", "trainer.main", f"logging.output_dir={out_dir}",
+           f"logging.run_name={run_name}", "logging.wandb_mode=disabled", *overrides]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, env={**clean_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=timeout_s)
+    return MainExit(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start,
+                    out_dir / run_name)

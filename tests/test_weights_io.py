@@ -239,3 +239,26 @@ def test_second_process_opens_cuda_ipc_by_uuid(tmp_path, flattened):
     report = _child(tmp_path, named, payloads[0], fmt)
     assert report["bad"] == [] and all(d.startswith("cuda") for d in report["devices"])
 
+
+
+def test_staged_buckets_reuse_their_shared_buffer_and_carry_new_values(tmp_path):
+    """SharedStaging: a second push of the same layout writes into the same /dev/shm
+    buffer, and a second process reads the new values (not the first push's)."""
+    staging = wio.SharedStaging()
+    named = _named()
+    first = staging.flatten(0, named)
+    flat = first["flattened_tensor"]
+    assert flat.is_shared()
+    report = _child(tmp_path, named, wio.MultiprocessingSerializer.serialize(first, output_str=True),
+                    "flattened_bucket")
+    assert report["bad"] == [] and report["names"] == [n for n, _ in named]
+
+    changed = [(n, t + 1 if t.dtype != torch.bool else ~t) for n, t in named]
+    second = staging.flatten(0, changed)
+    assert second["flattened_tensor"].data_ptr() == flat.data_ptr()  # no new shared copy
+    report = _child(tmp_path, changed, wio.MultiprocessingSerializer.serialize(second, output_str=True),
+                    "flattened_bucket")
+    assert report["bad"] == []
+    # Another layout under the same key gets its own buffer.
+    other = staging.flatten(0, changed[:3])
+    assert [m.name for m in other["metadata"]] == [n for n, _ in changed[:3]]

@@ -39,7 +39,8 @@ import torch
 
 from rollout.engines.actor import SGLANG_CPU_LOADERS
 from rollout.engines.client import EngineError
-from rollout.engines.weights_io import serialize_for_sglang
+from rollout.engines.weights_io import (
+    FLATTENED_BUCKET, MultiprocessingSerializer, SharedStaging, serialize_for_sglang)
 
 log = logging.getLogger("homegym.weights")
 
@@ -282,6 +283,10 @@ class _Sender:
         return compared
 
 
+# This process's shared-memory buffers for CPU tensor pushes (one set per training rank).
+_STAGING = SharedStaging()
+
+
 class _TensorSender(_Sender):
     def __init__(self, plan: PushPlan, rank: int, world_size: int):
         tp = [t.tp_size for t in plan.targets]
@@ -290,14 +295,22 @@ class _TensorSender(_Sender):
                         for e in range(len(tp))]
         self.gather = any(len(set(s)) > 1 for s in self.sources)
         self.serves = any(rank in s for s in self.sources)
+        self.buckets_sent = 0
         super().__init__(plan, [e for e, s in enumerate(self.sources) if s[0] == rank])
 
     def send(self, bucket, version: Optional[int]) -> None:
         # Serializing shares the bucket's storage (CUDA IPC, or /dev/shm on CPU): only the
-        # ranks that serve an engine pay for it.
+        # ranks that serve an engine pay for it. CPU buckets go through this rank's reused
+        # /dev/shm buffers (the server-side loaders of SGLang-CPU read plain lists).
         payload, load_format = None, None
         if self.serves:
-            (payload,), load_format = serialize_for_sglang(bucket)
+            if not self.plan.loaders and all(t.device.type == "cpu" for _, t in bucket):
+                staged = _STAGING.flatten(self.buckets_sent, bucket)
+                payload = MultiprocessingSerializer.serialize(staged, output_str=True)
+                load_format = FLATTENED_BUCKET
+            else:
+                (payload,), load_format = serialize_for_sglang(bucket)
+        self.buckets_sent += 1
         if self.gather:  # an engine's TP ranks are served by several training ranks
             import torch.distributed as dist
 

@@ -218,6 +218,35 @@ def flatten_bucket(named_tensors) -> dict:
     return {"flattened_tensor": torch.cat(flats), "metadata": metadata}
 
 
+class SharedStaging:
+    """Flattened buckets whose flat tensor lives in /dev/shm once and is reused.
+
+    Serializing a fresh CPU tensor moves its storage into shared memory, a page-faulting
+    copy on every push; a bucket staged here is shared once, and later pushes of the same
+    layout only copy their bytes into it. A push's engines have answered (and copied out)
+    before the next push overwrites the buffers.
+    """
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, tuple[tuple, dict]] = {}
+
+    def flatten(self, key: int, named_tensors) -> dict:
+        named_tensors = list(named_tensors)
+        layout = tuple((str(n), tuple(t.shape), t.dtype) for n, t in named_tensors)
+        held = self._buckets.get(key)
+        if held is None or held[0] != layout:
+            bucket = flatten_bucket(named_tensors)
+            bucket["flattened_tensor"].share_memory_()
+            self._buckets[key] = (layout, bucket)
+            return bucket
+        bucket = held[1]
+        flat = bucket["flattened_tensor"]
+        for meta, (_, tensor) in zip(bucket["metadata"], named_tensors):
+            flat[meta.start_idx:meta.end_idx].copy_(
+                tensor.detach().reshape(-1).contiguous().view(torch.uint8))
+        return bucket
+
+
 def unflatten_bucket(bucket) -> list[tuple[str, torch.Tensor]]:
     """Inverse of ``flatten_bucket`` (also reads SGLang's own ``FlattenedTensorBucket``
     dicts): views into the flat tensor, no copies."""
