@@ -2,7 +2,11 @@
 
 A checkpoint is a directory `checkpoints/step_NNNNNN/` holding
     train/            the backend's model + optimizer + RNG state (every rank writes its part)
-    hf/               the policy exported as a Hugging Face checkpoint (serve/eval it directly)
+    hf/               the policy exported as a Hugging Face checkpoint (serve/eval it directly;
+                      a LoRA policy's merged weights)
+    adapter/          LoRA runs only: the adapter in peft format (PeftModel.from_pretrained
+                      on the base model, or an engine's LoRA route); train/ holds only the
+                      adapters and their optimizer state, the base is model.path
     rollout.pt        the rollout manager's state: data position, epoch, partial-rollout buffer
     meta.json         step, policy version, wandb run id, driver RNG
     COMPLETE          written last
@@ -28,6 +32,7 @@ from trainer.metrics import write_json
 
 _NAME = re.compile(r"^step_(\d{6,})$")
 MARKER = "COMPLETE"
+ADAPTER_DIR = "adapter"
 
 
 class CheckpointError(RuntimeError):

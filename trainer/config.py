@@ -204,6 +204,33 @@ class AlgoConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (peft) on the FSDP backend: the base weights stay frozen, only the
+    adapters train and only they have optimizer state. Engines receive the merged weights
+    (base + alpha/rank * B @ A under the HF names), which every engine loads as it would
+    a full update."""
+
+    rank: int = 0  # 0 = off: the full model trains
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # Linear layers (by module name suffix) that get adapters: Qwen3/Llama attention and MLP.
+    target_modules: List[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 0, "train.lora.rank", "must be >= 0 (0 = LoRA off)")
+        _check(self.alpha > 0, "train.lora.alpha", "must be > 0")
+        _check(0 <= self.dropout < 1, "train.lora.dropout", "must be in [0, 1)")
+        if self.rank > 0:
+            _check(bool(self.target_modules), "train.lora.target_modules",
+                   "must name at least one module when train.lora.rank > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass
 class TrainConfig:
     backend: str = "fsdp"  # fsdp | megatron
     num_nodes: int = 1
@@ -253,9 +280,14 @@ class TrainConfig:
     # (sequence advantage 0, e.g. a GRPO group with equal rewards, and no KL or entropy
     # term): the update is unchanged, a batch without learning signal costs little.
     skip_zero_advantage: bool = True
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         _one_of(self.backend, "train.backend", ("fsdp", "megatron"))
+        if self.lora.enabled:
+            _check(self.backend == "fsdp", "train.lora.rank",
+                   "LoRA runs on the FSDP backend only; set train.backend=fsdp "
+                   "(or train.lora.rank=0 to train the full model with Megatron)")
         _one_of(self.lr_schedule, "train.lr_schedule", ("constant", "cosine", "linear"))
         _one_of(self.weight_sync, "train.weight_sync", ("auto", "tensor", "distributed", "disk"))
         for key in ("num_nodes", "ranks_per_node", "num_steps", "max_tokens_per_micro_batch",

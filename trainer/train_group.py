@@ -91,12 +91,22 @@ class TrainActor:
                             weight_group=getattr(self, "_weight_group", None))
 
     def export_hf(self, out_dir: str, source_dir: str, bucket_bytes: int) -> None:
-        """Rank 0 writes the policy as a HF checkpoint (every rank takes part in the gathers)."""
-        from trainer.checkpoint import export_hf
+        """Rank 0 writes the policy as a HF checkpoint (every rank takes part in the gathers).
+        A LoRA policy is exported merged, and its adapter in peft format next to it
+        (``<out_dir>/../adapter``, trainer.checkpoint's layout)."""
+        from trainer.checkpoint import ADAPTER_DIR, export_hf
 
         buckets = list(self.backend.named_weight_buckets(bucket_bytes))
         if self.rank == 0:
             export_hf(buckets, source_dir, out_dir)
+        if getattr(self.backend, "lora", None) is not None:
+            self.backend.save_adapter(os.path.join(os.path.dirname(os.path.normpath(out_dir)),
+                                                   ADAPTER_DIR))
+
+    def adapter_tensors(self) -> Optional[list]:
+        """A LoRA policy's adapter matrices under peft's names (rank 0's; collective)."""
+        tensors = self.backend.adapter_tensors()
+        return tensors if self.rank == 0 else None
 
     def save(self, path: str) -> None:
         self.backend.save(path)
@@ -195,6 +205,10 @@ class TrainGroup:
 
     def export_hf(self, out_dir: str, source_dir: str, bucket_bytes: int) -> None:
         self._all("export_hf", str(out_dir), source_dir, bucket_bytes)
+
+    def adapter_tensors(self) -> list[tuple[str, Any]]:
+        """A LoRA policy's adapter matrices (peft names), gathered on rank 0."""
+        return self._all("adapter_tensors")[0]
 
     def save(self, path: str) -> None:
         self._all("save", path)

@@ -59,8 +59,13 @@ class FSDPBackend:
             self.device = torch.device("cpu")
         torch.manual_seed(config.train.seed)
         self.mesh = init_device_mesh(self.device.type, (world_size,))
+        self.lora = config.train.lora if config.train.lora.enabled else None
+        self.lora_layers: dict[str, float] = {}  # adapted module -> scaling (LoRA runs)
         self.model = self._build_model(trainable=True)
-        self.ref_model = self._build_model(trainable=False) if config.algo.kl_coef > 0 else None
+        self.use_ref = config.algo.kl_coef > 0
+        # A LoRA policy's reference is its own base: the model with adapters switched off.
+        self.ref_model = (self._build_model(trainable=False)
+                          if self.use_ref and self.lora is None else None)
         train = config.train
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=train.lr,
@@ -93,8 +98,14 @@ class FSDPBackend:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype,
                                                      attn_implementation=attn)
         model.config.use_cache = False
+        if self.lora is not None and trainable:
+            from trainer.backends.lora import apply_lora
+
+            self.lora_layers = apply_lora(model, self.lora)
         if self.config.train.gradient_checkpointing and trainable:
             model.gradient_checkpointing_enable()
+            if self.lora is not None:  # frozen embeddings: checkpointed inputs need grad
+                model.enable_input_require_grads()
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         layers = getattr(getattr(model, "model", model), "layers", [])
         for layer in layers:
@@ -160,6 +171,14 @@ class FSDPBackend:
     def _no_grad_log_probs(self, model, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         return [self._forward(model, mb, with_entropy=False)[0] for mb in mbs]
 
+    def _ref_log_probs(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        if self.ref_model is not None:
+            return self._no_grad_log_probs(self.ref_model, mbs)
+        from trainer.backends.lora import adapters_disabled
+
+        with adapters_disabled(self.model):
+            return self._no_grad_log_probs(self.model, mbs)
+
     def log_probs(self, batch: BatchLike) -> list[torch.Tensor]:
         check_batch(batch)
         plan = plan_step(batch, rank=self.rank, world_size=self.world_size,
@@ -221,8 +240,7 @@ class FSDPBackend:
         # Old log-probs come from a forward before any update when there are several
         # optimizer steps per rollout; with one step, logp.detach() is exact and free.
         self.model.eval()
-        ref = (self._no_grad_log_probs(self.ref_model, flat_mbs)
-               if self.ref_model is not None else None)
+        ref = self._ref_log_probs(flat_mbs) if self.use_ref else None
         kl_in_reward = algo.advantage_estimator == "reinforce_pp" and ref is not None
         pre = (self._no_grad_log_probs(self.model, flat_mbs)
                if len(ranges) > 1 or kl_in_reward else None)
@@ -293,25 +311,36 @@ class FSDPBackend:
         return out
 
     # ----------------------------------------------------------------- weights
-    def named_weight_buckets(self, bucket_bytes: int, device: str = "cpu") -> Iterator[NamedTensors]:
-        """Gathered full tensors under HF names, ~bucket_bytes per bucket, on ``device``
-        (a copy: the caller may keep or share them while training goes on).
-
-        Collective: every rank must drain the iterator. Tied weights (lm_head sharing the
-        embedding) appear once, under the name the HF checkpoint stores.
-        """
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be > 0 (got {bucket_bytes})")
+    def _full_state(self, device: str, *, adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's state in state_dict order as gathered full tensors on ``device``
+        (collective: every rank must drain it). Tied weights (lm_head sharing the
+        embedding) appear once, under the name the HF checkpoint stores."""
         # named_parameters() lists a shared parameter once, under its first name.
         unique = {n for n, _ in self.model.named_parameters()}
         tied = {n for n, _ in self.model.named_parameters(remove_duplicate=False)} - unique
-        bucket: NamedTensors = []
-        size = 0
         for name, value in self.model.state_dict().items():
-            if name in tied:
+            if name in tied or (adapters_only and ".lora_" not in name):
                 continue
             full = value.full_tensor() if hasattr(value, "full_tensor") else value
-            full = full.detach().to(device, copy=True)
+            yield name, full.detach().to(device, copy=True)
+
+    def named_weight_buckets(self, bucket_bytes: int, device: str = "cpu") -> Iterator[NamedTensors]:
+        """Gathered full tensors under HF names, ~bucket_bytes per bucket, on ``device``
+        (a copy: the caller may keep or share them while training goes on). A LoRA
+        policy yields its merged weights (trainer.backends.lora.merged_tensors).
+
+        Collective: every rank must drain the iterator.
+        """
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0 (got {bucket_bytes})")
+        items = self._full_state(device)
+        if self.lora is not None:
+            from trainer.backends.lora import merged_tensors
+
+            items = merged_tensors(items, self.lora_layers)
+        bucket: NamedTensors = []
+        size = 0
+        for name, full in items:
             nbytes = full.numel() * full.element_size()
             if bucket and size + nbytes > bucket_bytes:
                 yield bucket
@@ -321,14 +350,46 @@ class FSDPBackend:
         if bucket:
             yield bucket
 
+    def adapter_tensors(self, device: str = "cpu") -> NamedTensors:
+        """A LoRA policy's adapter matrices, gathered, under peft's saved names (collective)."""
+        from trainer.backends.lora import adapter_tensors
+
+        return list(adapter_tensors(self._full_state(device, adapters_only=True)))
+
+    def save_adapter(self, out_dir: str) -> None:
+        """Rank 0 writes the adapter in peft format (every rank takes part in the gathers)."""
+        from trainer.backends.lora import save_adapter
+        from trainer.models import resolve_model_path
+
+        tensors = dict(self.adapter_tensors())
+        if self.rank == 0:
+            cfg = self.config.model
+            save_adapter(tensors, self.lora, resolve_model_path(cfg.path, cfg.cache_dir), out_dir)
+
     # ----------------------------------------------------------------- checkpoints
+    def _state_dict_options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # A LoRA checkpoint holds the adapters and their optimizer state; the frozen base
+        # comes back from model.path when the run resumes.
+        lora = self.lora is not None
+        return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+    def _model_state(self, model_sd: dict) -> dict:
+        # ignore_frozen_params still lists a tied frozen weight (lm_head = embedding).
+        if self.lora is None:
+            return model_sd
+        return {k: v for k, v in model_sd.items() if ".lora_" in k}
+
     def save(self, path: str) -> None:
         """Sharded DCP checkpoint of model + optimizer, plus per-rank RNG and counters."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         os.makedirs(path, exist_ok=True)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
+                                            options=self._state_dict_options())
+        model_sd = self._model_state(model_sd)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
         extra = {"optimizer_steps": self.optimizer_steps, "sft_steps": self.sft_steps,
                  "cpu_rng": torch.get_rng_state(),
@@ -342,11 +403,12 @@ class FSDPBackend:
 
         if not os.path.isdir(os.path.join(path, "dcp")):
             raise ValueError(f"{path!r} is not an FSDP checkpoint directory (no dcp/)")
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        options = self._state_dict_options()
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
+        state = {"model": self._model_state(model_sd), "optim": optim_sd}
         dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=options)
         extra = torch.load(os.path.join(path, f"rank{self.rank}.pt"), weights_only=False)
         self.optimizer_steps, self.sft_steps = extra["optimizer_steps"], extra["sft_steps"]
         torch.set_rng_state(extra["cpu_rng"])
