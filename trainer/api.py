@@ -40,6 +40,7 @@ from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainer.config import ConfigError, HomegymConfig, build_config, register_schema
+from trainer.preflight import preflight
 
 __all__ = [
     "DatasetConfig", "Model", "TinyQwen3", "SmolLM2_135M", "Qwen3_0_6B", "Qwen3_4B", "Qwen3_8B",
@@ -150,6 +151,16 @@ def _ship_or_describe(fn: Union[str, Callable, None], key: str) -> Optional[str]
     if fn is None or isinstance(fn, str) or _importable_path(fn) is not None or ray.is_initialized():
         return ship_function(fn, key)
     return f"trainer.api:{_SHIP_PREFIX}{getattr(fn, '__name__', 'fn')}__not_shipped_yet"
+
+
+def _ship_locally(fn: Union[str, Callable, None], key: str) -> Optional[str]:
+    """For the start-up checks, before Ray: a function that would be shipped by value is
+    registered in this process only, where ``__getattr__`` below finds it."""
+    if fn is None or isinstance(fn, str) or not callable(fn) or _importable_path(fn) is not None:
+        return ship_function(fn, key)
+    attr = f"{_SHIP_PREFIX}{getattr(fn, '__name__', 'fn')}__local_{id(fn):x}"
+    _SHIPPED[attr] = fn
+    return f"trainer.api:{attr}"
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: resolves shipped functions inside workers
@@ -497,17 +508,22 @@ class TrainConfig:
         overrides, values = self._base()
         composed = compose_config(overrides, values)  # cheap validation before Ray starts
         run_name = self.run_name or f"{composed.label}-{datetime.now():%Y%m%d-%H%M%S-%f}"
-        _connect(composed, self.recipe.pip_packages())
-        values = OmegaConf.to_container(OmegaConf.merge(
-            OmegaConf.create(values),
-            OmegaConf.create(self.recipe.values(composed, ship=ship_function))))
-        _set(values, "logging.run_name", run_name)
+        data = None
         if self.dataset is not None:
             data_dir = Path(composed.logging.output_dir).resolve() / run_name / "data"
-            _set(values, "data", {**values.get("data", {}),
-                                  **self.dataset.materialize(data_dir)})
-        config = compose_config(overrides, values)
-        return Run(config).start()
+            data = self.dataset.materialize(data_dir)
+
+        def final(ship: Callable[[Any, str], Any]) -> HomegymConfig:
+            merged = OmegaConf.to_container(OmegaConf.merge(
+                OmegaConf.create(values), OmegaConf.create(self.recipe.values(composed, ship=ship))))
+            _set(merged, "logging.run_name", run_name)
+            if data is not None:
+                _set(merged, "data", {**merged.get("data", {}), **data})
+            return compose_config(overrides, merged)
+
+        preflight(final(_ship_locally))  # the CLI's start-up checks, before Ray starts
+        _connect(composed, self.recipe.pip_packages())
+        return Run(final(ship_function)).start()
 
 
 class Run:

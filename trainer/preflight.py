@@ -1,0 +1,294 @@
+"""Start-up checks: the config against the code and files it names, before Ray starts.
+
+``build_config`` checks values against each other; ``preflight`` checks them against the
+world, so that a mistake costs seconds instead of surfacing minutes later inside a Ray
+actor as a remote traceback:
+
+- every dotted path (rollout.custom_generate_function, rollout.custom_rm_function,
+  rollout.dynamic_sampling_filter, env.name) imports and has the shape homegym calls it
+  with (async or not, the positional parameters it is given);
+- env.kwargs are accepted by the environment's constructor (one throwaway instance);
+- a warm-up (warmup.steps > 0) has a scripted player (``Environment.demo_action``);
+- every split the run reads has rows: data files exist and hold data.input_key and
+  data.label_key, or the environment generates the split;
+- model.path is a directory with a config and a tokenizer (or a built-in model that can
+  be made here).
+
+Each problem is a ``ConfigError`` whose one-line message starts with the key. Nothing here
+loads a torch model, a tokenizer or a whole data file.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from envs.base import Environment, get_env_class, load_object
+from trainer.config import ConfigError, HomegymConfig
+
+NO_ENV = ("", "none", "null")  # env.name values that mean "no environment" (rollout.manager)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def preflight(config: HomegymConfig) -> None:
+    """Raise ConfigError for the first thing in ``config`` that cannot work."""
+    env_cls = check_env(config)
+    check_plugins(config, env_cls)
+    check_warmup(config, env_cls)
+    check_data(config, env_cls)
+    check_model(config)
+
+
+def _fail(key: str, message: str) -> ConfigError:
+    return ConfigError(f"{key}: " + " ".join(message.split()))
+
+
+def _load(path: str, key: str) -> Any:
+    try:
+        return load_object(path, key)
+    except ValueError as err:  # load_object's own message already names key and path
+        raise ConfigError(" ".join(str(err).split())) from err
+    except Exception as err:  # the module itself failed on import (SyntaxError, ...)
+        raise _fail(key, f"{path!r}: importing it raised {type(err).__name__}: {err}") from err
+
+
+def _takes(fn: Callable, *args: Any) -> bool:
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError:
+        return False
+    except ValueError:  # no signature (some builtins): cannot tell, let the call decide
+        return True
+    return True
+
+
+def _signature(fn: Callable) -> str:
+    try:
+        return f"{getattr(fn, '__name__', 'it')}{inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        return repr(fn)
+
+
+# ----------------------------------------------------------------------- environment
+def check_env(config: HomegymConfig) -> Optional[type[Environment]]:
+    """The environment class (None for env.name=none), built once with env.kwargs."""
+    env = config.env
+    if env.name in NO_ENV:
+        return None
+    try:
+        cls = get_env_class(env.name)
+    except ValueError as err:
+        raise ConfigError(" ".join(str(err).split())) from err
+    except Exception as err:  # the env's module failed on import
+        raise _fail("env.name", f"{env.name!r}: importing it raised {type(err).__name__}: "
+                    f"{err}") from err
+    if inspect.isabstract(cls):
+        raise _fail("env.name", f"{env.name!r}: {cls.__name__} leaves abstract methods "
+                    f"unimplemented ({', '.join(sorted(cls.__abstractmethods__))})")
+    kwargs = dict(env.kwargs)
+    try:
+        inspect.signature(cls).bind(max_turns=env.max_turns, seed=0, **kwargs)
+    except TypeError as err:
+        params = ", ".join(inspect.signature(cls).parameters)
+        raise _fail("env.kwargs", f"{cls.__name__} rejects them: {err} (it takes {params})"
+                    ) from err
+    try:
+        cls(max_turns=env.max_turns, seed=0, **kwargs)
+    except Exception as err:
+        raise _fail("env.kwargs", f"{cls.__name__}(max_turns={env.max_turns}, **{kwargs}) "
+                    f"raised {type(err).__name__}: {err}") from err
+    return cls
+
+
+# ----------------------------------------------------------------------- plug-ins
+def check_plugins(config: HomegymConfig, env_cls: Optional[type[Environment]]) -> None:
+    """User functions by dotted path, with the shape rollout.manager calls them with."""
+    r = config.rollout
+    if r.custom_generate_function:
+        check_async_function(_load(r.custom_generate_function, "rollout.custom_generate_function"),
+                             "rollout.custom_generate_function", r.custom_generate_function,
+                             ("args", "sample", "sampling_params"))
+    if r.agent.function:  # an OpenAI-API agent (rollout/agent)
+        check_async_function(_load(r.agent.function, "rollout.agent.function"),
+                             "rollout.agent.function", r.agent.function,
+                             ("client", "sample", "args"))
+    if r.agent.demo_function and not callable(_load(r.agent.demo_function,
+                                                    "rollout.agent.demo_function")):
+        raise _fail("rollout.agent.demo_function", f"{r.agent.demo_function!r} is not callable")
+    if r.custom_rm_function:
+        check_async_function(_load(r.custom_rm_function, "rollout.custom_rm_function"),
+                             "rollout.custom_rm_function", r.custom_rm_function,
+                             ("args", "samples") if r.group_rm else ("args", "sample"))
+    elif r.group_rm:
+        raise _fail("rollout.group_rm", "true needs rollout.custom_rm_function (the function "
+                    "that scores a whole group)")
+    if (env_cls is None and not r.custom_rm_function and not r.custom_generate_function
+            and not r.agent.function):
+        raise _fail("env.name", f"{config.env.name!r} means no environment, so no reward: set "
+                    "env.name or rollout.custom_rm_function")
+    name = r.dynamic_sampling_filter
+    if name is not None:
+        key = "rollout.dynamic_sampling_filter"
+        if "." not in name and ":" not in name:
+            from rollout.manager import FILTERS  # imports ray (not started): only when needed
+
+            if name not in FILTERS:
+                raise _fail(key, f"unknown filter {name!r}; built-in: {', '.join(FILTERS)}, "
+                            "or a dotted path")
+            return
+        fn = _load(name, key)
+        if not callable(fn):
+            raise _fail(key, f"{name!r} is not callable")
+        if inspect.iscoroutinefunction(fn):
+            raise _fail(key, f"{name!r} must be a plain function (def, not async def): the "
+                        "manager calls it synchronously and uses its truth value")
+        if not _takes(fn, None, []):
+            raise _fail(key, f"{name!r} must take (args, samples); it is {_signature(fn)}")
+
+
+def check_async_function(fn: Any, key: str, path: str, params: tuple[str, ...]) -> None:
+    """``fn`` is ``async def`` and takes ``params`` positionally."""
+    if "shipped__" in path:  # the Python API's by-value function: name it, not its key
+        path = getattr(fn, "__qualname__", path)
+    if not callable(fn):
+        raise _fail(key, f"{path!r} is not callable")
+    if not inspect.iscoroutinefunction(fn):
+        raise _fail(key, f"{path!r} must be an async function (async def): it runs on the "
+                    "rollout manager's event loop")
+    if not _takes(fn, *([None] * len(params))):
+        raise _fail(key, f"{path!r} must take ({', '.join(params)}); it is {_signature(fn)}")
+
+
+# ----------------------------------------------------------------------- warm-up
+def check_warmup(config: HomegymConfig, env_cls: Optional[type[Environment]]) -> None:
+    steps = config.warmup.steps
+    if steps <= 0:
+        return
+    if config.rollout.agent.function:  # the agent plays against its scripted player
+        if not config.rollout.agent.demo_function:
+            raise _fail("warmup.steps", f"{steps} with an agent (rollout.agent.function) "
+                        "needs its scripted player, rollout.agent.demo_function; or set "
+                        "warmup.steps=0")
+        return
+    if env_cls is None:
+        raise _fail("warmup.steps", f"{steps} needs an environment whose scripted player "
+                    f"plays the warm-up transcripts; env.name is {config.env.name!r}")
+    if getattr(env_cls, "demo_action", None) is Environment.demo_action:
+        raise _fail("warmup.steps", f"{steps}, but environment {config.env.name!r} "
+                    f"({env_cls.__name__}) has no scripted player (demo_action) to make the "
+                    "warm-up transcripts; set warmup.steps=0 or give it a demo_action")
+
+
+# ----------------------------------------------------------------------- data
+def _splits(config: HomegymConfig) -> list[str]:
+    """The splits this run reads."""
+    splits = ["train"]
+    evaluates = config.eval.before_and_after or bool(config.eval.interval)
+    if evaluates or (config.warmup.steps > 0 and "eval" in config.warmup.splits):
+        splits.append("eval")
+    return splits
+
+
+def check_data(config: HomegymConfig, env_cls: Optional[type[Environment]]) -> None:
+    data = config.data
+    for split in _splits(config):
+        key = "data.path" if split == "train" else "data.eval_path"
+        path = data.path if split == "train" else data.eval_path
+        if path is not None:
+            columns, origin = _file_columns(path, key), path
+        else:
+            columns = _env_columns(config, env_cls, split, key)
+            origin = f"the {split} rows of environment {config.env.name!r}"
+        if columns is None:  # a format whose columns are only known once loaded
+            continue
+        if data.input_key not in columns:
+            raise _fail("data.input_key", f"{data.input_key!r} is not a column of {origin} "
+                        f"(columns: {', '.join(sorted(columns))})")
+        if data.label_key is not None and data.label_key not in columns:
+            raise _fail("data.label_key", f"{data.label_key!r} is not a column of {origin} "
+                        f"(columns: {', '.join(sorted(columns))}); data.label_key=null if the "
+                        "rows have no label")
+
+
+def _file_columns(path: str, key: str) -> Optional[set[str]]:
+    """Column names of a data file from its schema or first row (the file is not loaded)."""
+    p = Path(path)
+    if not p.exists():
+        raise _fail(key, f"{path!r} does not exist")
+    if p.is_dir():  # written by datasets' save_to_disk
+        if (p / "dataset_dict.json").exists():
+            raise _fail(key, f"{path!r} holds a DatasetDict (several splits); point {key} at "
+                        "one split's directory")
+        info = p / "dataset_info.json"
+        if not info.exists():
+            raise _fail(key, f"{path!r} is a directory but not a saved `datasets` dataset "
+                        "(no dataset_info.json)")
+        features = json.loads(info.read_text()).get("features")
+        return set(features) if isinstance(features, dict) else None
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            return set(pq.read_schema(path).names)
+        except Exception as err:
+            raise _fail(key, f"{path!r} is not a readable parquet file: {err}") from err
+    if path.endswith((".jsonl", ".json")):
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise _fail(key, f"{path!r} line {lineno}: invalid JSON: {err.msg}") from err
+                if not isinstance(row, dict):
+                    raise _fail(key, f"{path!r} line {lineno}: expected a JSON object")
+                return set(row)
+        raise _fail(key, f"{path!r} has no rows")
+    raise _fail(key, f"{path!r}: unsupported data format (use .parquet, .jsonl or a "
+                "`datasets` directory)")
+
+
+def _env_columns(config: HomegymConfig, env_cls: Optional[type[Environment]], split: str,
+                 key: str) -> set[str]:
+    if env_cls is None:
+        raise _fail(key, f"null, and env.name={config.env.name!r} generates no {split} rows; "
+                    f"set {key}")
+    try:
+        rows = env_cls.dataset(split, **dict(config.env.kwargs))
+    except NotImplementedError as err:
+        raise _fail(key, f"null, and {err}") from err
+    except Exception as err:
+        raise _fail("env.kwargs", f"{env_cls.__name__}.dataset({split!r}) raised "
+                    f"{type(err).__name__}: {err}") from err
+    if not rows:
+        raise _fail(key, f"null, and environment {config.env.name!r} generates no {split} rows")
+    if not isinstance(rows[0], dict):
+        raise _fail("env.name", f"{env_cls.__name__}.dataset({split!r}) must return dicts, "
+                    f"got {type(rows[0]).__name__}")
+    return set(rows[0])
+
+
+# ----------------------------------------------------------------------- model
+def check_model(config: HomegymConfig) -> None:
+    """model.path holds a config and a tokenizer, or is a built-in model buildable here."""
+    from trainer.models import (BUILTIN_MODELS, default_cache_dir, resolve_model_path,
+                                smollm2_gguf_file)
+
+    path = config.model.path
+    if path in BUILTIN_MODELS and not os.path.isdir(path):
+        cache = Path(config.model.cache_dir) if config.model.cache_dir else default_cache_dir()
+        if not (cache / path / "config.json").exists():
+            if path == "smollm2-135m":
+                smollm2_gguf_file()  # the package that ships its GGUF file is installed
+            return  # tiny-qwen3 is made from code on first use
+        directory = cache / path
+    else:
+        directory = Path(resolve_model_path(path))  # a directory with config.json, or why not
+    if not any((directory / name).exists() for name in TOKENIZER_FILES):
+        raise _fail("model.path", f"{str(directory)!r} has no tokenizer (none of "
+                    f"{', '.join(TOKENIZER_FILES)}); save the tokenizer into the checkpoint "
+                    "directory (tokenizer.save_pretrained)")
