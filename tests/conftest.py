@@ -52,6 +52,105 @@ def push_tensors(client, named_tensors, version=None) -> dict:
 REPO = Path(__file__).resolve().parents[1]
 
 
+def free_port() -> int:
+    """A loopback port free a moment ago (the one helper: rollout.engines.free_port). Only
+    for what must be told a port; anything that can bind port 0 itself should."""
+    from rollout.engines.actor import free_port as _free_port
+
+    return _free_port("127.0.0.1")
+
+
+def wait_for(predicate, *, timeout_s: float, what: str, interval_s: float = 0.01):
+    """Poll ``predicate`` until it returns something truthy (returned); fail naming
+    ``what`` after ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+# -------------------------------------------------------------------- leak checks
+# Servers a test may start (directly or inside Ray actors): engine servers and the router.
+_SERVER_MARKERS = ("rollout.engines.hf.server", "sglang_router", "sglang::router",
+                   "sglang.launch_server")
+
+
+def _alive_actors() -> dict:
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    from ray._private.state import actors
+
+    return {aid: info.get("ActorClassName", "?")
+            for aid, info in actors(actor_state_name="ALIVE").items()}
+
+
+def _servers() -> dict:
+    import psutil
+
+    found = {}
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.NoSuchProcess:
+        return found
+    for p in children:
+        try:
+            cmd = " ".join(p.cmdline())
+            if any(m in cmd for m in _SERVER_MARKERS) and p.status() != psutil.STATUS_ZOMBIE:
+                found[(p.pid, p.create_time())] = cmd[:160]
+        except psutil.Error:
+            pass
+    return found
+
+
+def _check_no_leaks(before_actors: dict, before_servers: dict, where: str) -> None:
+    """Actors and server processes started since the snapshot must be gone (shutdown is
+    asynchronous: allow them a deadline); leftover servers are killed, then reported."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + 30
+    while True:
+        actors = {a: c for a, c in _alive_actors().items() if a not in before_actors}
+        servers = {k: c for k, c in _servers().items() if k not in before_servers}
+        if not actors and not servers:
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for pid, _ in servers:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    pytest.fail(f"{where} left running: actors {sorted(actors.values())}, "
+                f"servers {sorted(servers.values())}")
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_actors_or_servers(request):
+    """No Ray actor or server process a test started outlives it."""
+    actors, servers = _alive_actors(), _servers()
+    yield
+    _check_no_leaks(actors, servers, request.node.nodeid)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leaked_actors_or_servers_per_module(request):
+    """The same for module-scoped fixtures (an engine group shared by a module's tests)."""
+    actors, servers = _alive_actors(), _servers()
+    yield
+    _check_no_leaks(actors, servers, request.module.__name__)
+
+
 def compose_config(*overrides):
     """The run config exactly as `python -m trainer.main OVERRIDES` composes it."""
     from hydra import compose, initialize_config_dir
@@ -105,6 +204,11 @@ def run_main(tmp_path, *overrides, timeout_s: float = 600, run_name: str = "run"
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         pytest.fail(f"trainer.main timed out after {timeout_s:.0f}s:\n{output[-4000:]}")
+    finally:  # whatever the run left in its group (it should have stopped everything)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     if proc.returncode != 0:
         pytest.fail(f"trainer.main exited {proc.returncode}:\n{output[-4000:]}")
     return MainRun(out_dir / run_name, output)

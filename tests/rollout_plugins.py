@@ -4,6 +4,7 @@ import asyncio
 
 from envs.base import Environment
 from envs.number_guess import NumberGuessEnv
+from rollout.generate import ABORT
 from rollout.generate import generate as default_generate
 
 
@@ -31,11 +32,19 @@ async def hang_on_group_1(args, sample, sampling_params):
 
 
 class SlowStartEnv(NumberGuessEnv):
-    """Odd groups take a while to reset: still in flight when the step has enough groups."""
+    """Odd groups are held in reset until the step aborts what is in flight or a test
+    releases them (``SlowStartEnv.hold = False``): still in flight, for certain, when the
+    step has enough groups."""
+
+    hold = True
+    HOLD_LIMIT_S = 300  # a test that never releases them fails on its own timeout first
 
     async def reset(self, sample):
-        if sample.group_index % 2 == 1:
-            await asyncio.sleep(1.5)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.HOLD_LIMIT_S
+        while (sample.group_index % 2 == 1 and SlowStartEnv.hold and not ABORT.on
+               and loop.time() < deadline):
+            await asyncio.sleep(0.01)
         return await super().reset(sample)
 
 

@@ -1,14 +1,13 @@
 """The CPU engine (rollout/engines/hf) against its HTTP contract, on a real server process."""
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 import torch
 
-from conftest import push_tensors
+from conftest import push_tensors, wait_for
 from trainer.models import cache_kwarg
 from rollout.engines import (PINNED_SGLANG_VERSION, EngineError, EngineServer, HFLaunch,
                              MultiprocessingSerializer)
@@ -96,8 +95,10 @@ def test_logprobs_match_fresh_forward_under_continuous_batching(engine, ref_mode
     first = {"input_ids": ps[0], "return_logprob": True,
              "sampling_params": {"max_new_tokens": 48, "temperature": temperature, "ignore_eos": True}}
     with ThreadPoolExecutor(12) as pool:
+        steps = engine.client.server_info()["decode_steps"]
         futs = [pool.submit(gen, engine, first)]
-        time.sleep(0.05)  # let it start decoding (correctness does not depend on timing)
+        wait_for(lambda: engine.client.server_info()["decode_steps"] > steps, timeout_s=30,
+                 what="the first request to decode")
         for i, p in enumerate(ps[1:]):
             futs.append(pool.submit(gen, engine, {
                 "input_ids": p, "return_logprob": True,
@@ -113,6 +114,44 @@ def test_logprobs_match_fresh_forward_under_continuous_batching(engine, ref_mode
             with torch.no_grad():
                 argmax = ref_model(ids).logits[0, len(p) - 1:-1].argmax(-1).tolist()
             assert argmax == out["output_ids"]
+
+
+def test_logprobs_with_top_k_top_p_are_the_unfiltered_temperature_scaled_ones(engine, ref_model):
+    """README: log-probs follow SGLang's default, the temperature-scaled distribution
+    before top-k/top-p filtering (a filtered one would renormalise over the kept tokens)."""
+    for i, p in enumerate(prompts(3, seed=5)):
+        out = gen(engine, {"input_ids": p, "return_logprob": True, "sampling_params": {
+            "max_new_tokens": 8, "temperature": 0.7, "top_k": 3, "top_p": 0.8, "seed": i,
+            "ignore_eos": True}})
+        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        want = fresh_logprobs(ref_model, p, out["output_ids"], 0.7)
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+        # Every sampled token was inside the top 3 of its step.
+        ids = torch.tensor([p + out["output_ids"]])
+        with torch.no_grad():
+            top3 = ref_model(ids).logits[0, len(p) - 1:-1].topk(3, dim=-1).indices
+        assert all(t in row.tolist() for t, row in zip(out["output_ids"], top3))
+
+
+def test_native_kernels_off_computes_the_same(engine, tiny_model_path, tmp_path, monkeypatch):
+    """README: with HOMEGYM_NATIVE_KERNELS=0 the engine computes the same in plain torch:
+    same greedy tokens, same log-probs, as the engine with its C kernels and packed
+    matmuls."""
+    monkeypatch.setenv("HOMEGYM_NATIVE_KERNELS", "0")
+    plain = EngineServer(HFLaunch(model_path=tiny_model_path, max_context_len=CTX), "hf-plain",
+                         str(tmp_path))
+    plain.start()
+    try:
+        for p in prompts(4, seed=9):
+            payload = {"input_ids": p, "return_logprob": True,
+                       "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+            a, b = gen(engine, payload), gen(plain, payload)
+            assert a["output_ids"] == b["output_ids"]
+            la, lb = (torch.tensor([lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
+                      for o in (a, b))
+            assert torch.allclose(la, lb, atol=1e-4), (la - lb).abs().max()
+    finally:
+        plain.shutdown()
 
 
 def test_seed_is_reproducible_and_n(engine):
@@ -141,18 +180,16 @@ def test_abort_returns_partial_tokens(engine):
             "sampling_params": {"max_new_tokens": CTX - 10, "ignore_eos": True}}
     with ThreadPoolExecutor(2) as pool:
         fut = pool.submit(gen, engine, long)
-        deadline = time.monotonic() + 10
-        while engine.client.server_info()["num_running_reqs"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: engine.client.server_info()["num_running_reqs"], timeout_s=30,
+                 what="the request to reach the engine")
         requests.post(engine.url + "/abort_request", json={"rid": "long-1"}, timeout=10)
         out = fut.result()
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(out["output_ids"]) < CTX - 10
     with ThreadPoolExecutor(3) as pool:
         futs = [pool.submit(gen, engine, dict(long, rid=f"x{i}")) for i in range(3)]
-        deadline = time.monotonic() + 10
-        while engine.client.server_info()["num_running_reqs"] < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: engine.client.server_info()["num_running_reqs"] >= 3, timeout_s=30,
+                 what="three requests at the engine")
         engine.client.abort_all()
         assert {f.result()["meta_info"]["finish_reason"]["type"] for f in futs} == {"abort"}
 
@@ -283,14 +320,18 @@ def _safe(fn):
 def test_pause_continue_release_resume(engine, ref_model):
     engine.client.pause_generation(mode="in_place")
     with ThreadPoolExecutor(1) as pool:
+        steps = engine.client.server_info()["decode_steps"]
         fut = pool.submit(gen, engine, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
-        time.sleep(0.3)  # negative check: a paused engine must not finish it
-        assert not fut.done()
+        wait_for(lambda: engine.client.server_info()["num_running_reqs"], timeout_s=30,
+                 what="the request to reach the paused engine")
         # Busy (a paused request is pending): no flush, no release (SGLang's rules).
         r = requests.get(engine.url + "/flush_cache", timeout=10)
         assert r.status_code == 400
         with pytest.raises(EngineError, match="idle"):
             engine.client.release_memory()
+        # Paused: the request is held, not decoded (checked after the calls above, so the
+        # engine had their round trips' time to run it had it not been paused).
+        assert not fut.done() and engine.client.server_info()["decode_steps"] == steps
         engine.client.continue_generation()
         assert fut.result()["meta_info"]["finish_reason"]["type"] == "length"
     engine.client.release_memory()

@@ -8,6 +8,7 @@ import pytest
 from rollout.generate import close_session
 from rollout.manager import RolloutManager, RolloutManagerCore
 from rollout_engines import config, engines
+from rollout_plugins import SlowStartEnv
 
 pytestmark = pytest.mark.slow
 
@@ -116,7 +117,11 @@ def test_partial_rollout_buffers_and_resumes(router):
     cfg2.env.name = cfg.env.name
     m2 = RolloutManagerCore(cfg2, router)  # no over-sampling: only the buffered groups run
     m2.load_state_dict(state)
-    b1 = run(m2.generate(1))
+    SlowStartEnv.hold = False
+    try:
+        b1 = run(m2.generate(1))
+    finally:
+        SlowStartEnv.hold = True
     assert sorted(set(b1.group_ids)) == [1, 3]  # the aborted groups come first, resumed
     assert b1.metrics["rollout/resumed_groups"] == 2
     assert_groups(b1, 2)
