@@ -53,7 +53,8 @@ class Environment(ABC):
 
 _REGISTRY: dict[str, type[Environment]] = {}
 # Built-in environments live in modules imported on first lookup (keeps imports cheap).
-_BUILTIN_MODULES = {"number_guess": "envs.number_guess", "arithmetic": "envs.arithmetic"}
+_BUILTIN_MODULES = {"number_guess": "envs.number_guess", "arithmetic": "envs.arithmetic",
+                    "calculator": "envs.calculator"}
 
 
 def register(name: str) -> Callable[[type[Environment]], type[Environment]]:

@@ -45,6 +45,11 @@ async def play_demos(config: Any, tokenizer: Any, num_samples: int, *, seed: int
         raise ValueError(f"num_samples must be >= 1 (got {num_samples})")
     if not splits:
         raise ValueError("play_demos: splits is empty")
+    if config.rollout.agent.function:  # an OpenAI-API agent plays against the script
+        from rollout.agent.demos import play_agent_demos
+
+        return await play_agent_demos(config, tokenizer, num_samples, seed=seed,
+                                      splits=splits)
     env_cls = get_env_class(config.env.name)
     sources = []
     for split in splits:

@@ -169,6 +169,14 @@ class RolloutManagerCore:
         self.custom_generate = (load_plugin(r.custom_generate_function,
                                             "rollout.custom_generate_function")
                                 if r.custom_generate_function else None)
+        # An OpenAI-API agent (rollout/agent) runs as a custom generate function that
+        # takes seeds like the built-in driver does.
+        self.agent = r.agent.function is not None
+        if self.agent:
+            from rollout.agent import make_agent_generate
+
+            self.custom_generate = make_agent_generate(
+                load_plugin(r.agent.function, "rollout.agent.function"), r.agent.history_policy)
         self.custom_rm = (load_plugin(r.custom_rm_function, "rollout.custom_rm_function")
                           if r.custom_rm_function else None)
         if r.group_rm and self.custom_rm is None:
@@ -217,6 +225,8 @@ class RolloutManagerCore:
         if self.custom_generate is not None:
             # User code posts by itself; an episode has at most one request in flight, so
             # bounding samples bounds its requests (rollout.max_concurrency).
+            if item.seed is not None:
+                sampling_params = dict(sampling_params, sampling_seed=item.seed)
             async with self.state.semaphore:
                 out = await self.custom_generate(self.args, ep.sample, dict(sampling_params))
             samples = list(out) if isinstance(out, (list, tuple)) else [out]
@@ -440,7 +450,7 @@ class RolloutManagerCore:
         stats = _StepStats()
         groups = [self._new_items(g) for g in data.all_groups(n)]
         seed = self.config.eval.seed
-        if seed is not None and self.custom_generate is None:
+        if seed is not None and (self.custom_generate is None or self.agent):
             # The same draws for the same (prompt, attempt) in every evaluation: base and
             # trained models are compared on paired samples, not on two independent ones.
             for g, items in enumerate(groups):

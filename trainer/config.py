@@ -90,6 +90,28 @@ class ClusterConfig:
 
 
 @dataclass
+class AgentConfig:
+    """An agent written for the OpenAI API as the rollout (rollout/agent): ``async def
+    agent(client, sample, args)`` with ``client`` an ``openai.AsyncOpenAI`` on a
+    per-episode session in front of the engines."""
+
+    # Dotted path of the agent function; null = no agent (set it instead of
+    # rollout.custom_generate_function, not together with it).
+    function: Optional[str] = None
+    # A call whose prompt does not extend the previous call's tokens (the agent rewrote
+    # its history): "split" trains it as a new sample of the same episode, "drop" fails
+    # the episode (and its group).
+    history_policy: str = "split"
+    # Dotted path of the warm-up's scripted player, ``reply(sample, messages, tools, rng)
+    # -> str`` (the assistant's raw text, tool-call markup included): warm-up runs the
+    # agent itself against it, so transcripts have the token layout of RL rollouts.
+    demo_function: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _one_of(self.history_policy, "rollout.agent.history_policy", ("split", "drop"))
+
+
+@dataclass
 class RolloutConfig:
     # hf: homegym's own CPU server. sglang: the real SGLang server (GPU; on CPU with
     # cluster.device=cpu where the CPU has AVX-512 and AMX, serving bfloat16).
@@ -136,6 +158,7 @@ class RolloutConfig:
     group_rm: bool = False  # custom_rm_function receives the whole group
     # Free-form keys passed to user code as args.<key> (e.g. max_turns).
     extra_config: Dict[str, Any] = field(default_factory=dict)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     # Per-sample timeout for generate + reward (seconds); a hang marks the sample FAILED.
     sample_timeout_s: float = 300.0
     # Disaggregated runs push weights while engines generate. "pause": in-flight requests
@@ -161,6 +184,9 @@ class RolloutConfig:
         _check(0 < self.mem_fraction_static <= 1, "rollout.mem_fraction_static", "must be in (0, 1]")
         _check(self.sample_timeout_s > 0, "rollout.sample_timeout_s", "must be > 0")
         _one_of(self.update_in_flight, "rollout.update_in_flight", ("pause", "abort"))
+        _check(not (self.agent.function and self.custom_generate_function),
+               "rollout.agent.function", "an agent is the rollout: unset "
+               "rollout.custom_generate_function (or rollout.agent.function)")
 
 
 @dataclass

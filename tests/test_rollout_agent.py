@@ -1,0 +1,392 @@
+"""OpenAI-API agents as rollouts (rollout/agent): the real ``openai`` client against the
+session server, token-exact traces, tool calls, errors; then real engines and the router."""
+
+import asyncio
+import functools
+import json
+import random
+
+import openai
+import pytest
+
+from envs import calculator
+from rollout.agent import (Call, HistoryRewriteError, ScriptedChatPolicy, SessionServer,
+                           ToolCall, Trace, build_samples, format_tool_calls,
+                           parse_tool_calls, run_agent)
+from rollout.args import RolloutArgs
+from rollout.generate import ABORT, EnginePolicy, GenerateState, close_session
+from rollout.sample import Sample
+from rollout_engines import engines
+
+
+@pytest.fixture(scope="module")
+def tools_model_path():
+    from trainer.models import resolve_model_path
+
+    return resolve_model_path("tiny-qwen3-tools")
+
+
+@pytest.fixture(scope="module")
+def tok(tools_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tools_model_path)
+
+
+def agent_config(**rollout):
+    from trainer.config import build_config
+
+    base = {"num_engines": 1, "rollout_batch_size": 2, "n_samples_per_prompt": 2,
+            "max_response_len": 40}
+    base.update(rollout)
+    return build_config({"rollout": base, "model": {"path": "tiny-qwen3-tools"},
+                         "env": {"name": "calculator", "max_turns": 3}})
+
+
+def task_sample(k=0):
+    row = calculator.CalculatorEnv.dataset("eval", size=k + 1)[k]
+    return Sample(prompt="", tokens=[1], label=row["label"], index=k, group_index=0)
+
+
+def render(tok, messages, tools, *, generation_prompt=True):
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                   add_generation_prompt=generation_prompt)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def run(coro):
+    async def go():
+        try:
+            return await coro
+        finally:
+            server = SessionServer._servers.get(id(asyncio.get_running_loop()))
+            if server is not None:
+                await server.close()
+            await close_session()
+    return asyncio.run(go())
+
+
+def scripted(tok, sample, direct_prob):
+    reply = functools.partial(calculator.demo_reply, direct_prob=direct_prob)
+    return ScriptedChatPolicy(reply, sample, tok, random.Random(0))
+
+
+class Recorder:
+    """A policy wrapper remembering every request's input ids and the policy's answer."""
+
+    def __init__(self, policy):
+        self.policy, self.inputs, self.outputs = policy, [], []
+
+    @property
+    def weight_version(self):
+        return getattr(self.policy, "weight_version", None)
+
+    def observe_request(self, messages, tools):
+        if hasattr(self.policy, "observe_request"):
+            self.policy.observe_request(messages, tools)
+
+    async def act(self, token_ids, max_new_tokens):
+        out = await self.policy.act(token_ids, max_new_tokens)
+        self.inputs.append(list(token_ids))
+        self.outputs.append(out)
+        return out
+
+
+def check_layout(samples, rec):
+    """Each sample is its calls' tokens verbatim: mask 1 and the engine's log-probs exactly
+    on output ids, mask 0 on everything between; a call that does not extend the previous
+    call's context starts the next sample."""
+    calls = list(zip(rec.inputs, rec.outputs))
+    k = 0
+    for s in samples:
+        prompt, (out, lps, _) = calls[k]
+        tokens, mask, logp = list(prompt) + out, [1] * len(out), list(lps)
+        k += 1
+        while k < len(calls) and calls[k][0][:len(tokens)] == tokens:
+            nxt, (out, lps, _) = calls[k]
+            delta = nxt[len(tokens):]
+            tokens += delta + out
+            mask += [0] * len(delta) + [1] * len(out)
+            logp += [0.0] * len(delta) + list(lps)
+            k += 1
+        assert s.tokens == tokens and s.prompt_length == len(prompt)
+        assert s.loss_mask == mask and s.rollout_log_probs == logp
+        s.check()
+    assert k == len(calls)
+
+
+# ---- tool-call parsing --------------------------------------------------------------
+
+def test_tool_call_parse_round_trip_keeps_the_models_json_verbatim(tok):
+    canonical = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "47 * 38"}}'
+                 '\n</tool_call>')
+    p = parse_tool_calls(canonical)
+    assert p.content is None and not p.malformed
+    assert [(c.name, c.arguments) for c in p.tool_calls] == [
+        ("calculator", '{"expression": "47 * 38"}')]
+    assert format_tool_calls(p.tool_calls) == canonical
+    # Compact JSON as a model may write it: the arguments string stays the model's text.
+    compact = 'Let me compute.\n<tool_call>{"name":"calc","arguments":{"x":1,"y":[2]}}</tool_call>'
+    p = parse_tool_calls(compact)
+    assert p.content == "Let me compute." and p.tool_calls[0].arguments == '{"x":1,"y":[2]}'
+    two = format_tool_calls([ToolCall("a", '{"v": 1}'), ToolCall("b", "{}")], "hi")
+    p = parse_tool_calls(two)
+    assert p.content == "hi" and [c.name for c in p.tool_calls] == ["a", "b"]
+    # The template renders the parsed message back to exactly the model's text.
+    msg = {"role": "assistant", "content": p.content,
+           "tool_calls": [c.to_openai() for c in p.tool_calls]}
+    rendered = tok.apply_chat_template([{"role": "user", "content": "q"}, msg],
+                                       tools=[calculator.CALCULATOR_TOOL], tokenize=False)
+    assert "<|im_start|>assistant\n" + two + "<|im_end|>" in rendered
+    for bad in ('<tool_call>\nnot json\n</tool_call>',
+                '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+                '<tool_call>{"name": "f", "arguments": "x"}</tool_call>',
+                '<tool_call>{"name": "f", "arguments": {}}',  # unterminated
+                '<tool_call>{"name": "f", "arguments": {}}</tool_call> and more'):
+        p = parse_tool_calls(bad)
+        assert p.tool_calls == [] and p.content == bad and p.malformed, bad
+    assert not parse_tool_calls("<answer>3</answer>").malformed
+
+
+# ---- traces -> samples ----------------------------------------------------------------
+
+def test_trace_merges_extending_calls_and_applies_the_history_policy():
+    def call(prompt, out):
+        return Call(prompt_ids=prompt, output_ids=out, log_probs=[-0.5] * len(out),
+                    finish="stop", weight_version=3)
+
+    c1 = call([1, 2, 3], [10, 11])
+    c2 = call([1, 2, 3, 10, 11, 4, 5], [12])       # extends c1: same sample
+    c3 = call([1, 2, 9], [13, 14])                  # rewrote history: new sample
+    s = Sample(tokens=[7], index=5, group_index=2, label="L", metadata={"k": 1})
+    out = build_samples(Trace([c1, c2, c3]), s)
+    assert len(out) == 2 and out[0] is s
+    a, b = out
+    assert a.tokens == [1, 2, 3, 10, 11, 4, 5, 12] and a.prompt_length == 3
+    assert a.loss_mask == [1, 1, 0, 0, 1] and a.rollout_log_probs == [-0.5, -0.5, 0.0, 0.0, -0.5]
+    assert b.tokens == [1, 2, 9, 13, 14] and b.loss_mask == [1, 1]
+    assert (b.index, b.group_index, b.label, b.metadata["k"]) == (5, 2, "L", 1)
+    assert a.metadata["agent"]["history_rewrites"] == b.metadata["agent"]["history_rewrites"] == 1
+    assert Trace([c1, c2, c3]).history_rewrites() == 1
+    with pytest.raises(HistoryRewriteError):
+        build_samples(Trace([c1, c2, c3]), Sample(), policy="drop")
+    assert len(build_samples(Trace([c1, c2]), Sample(), policy="drop")) == 1
+    with pytest.raises(ValueError, match="no chat completion call"):
+        build_samples(Trace([]), Sample())
+
+
+# ---- the session through the real openai client (scripted player) ----------------------
+
+def test_tool_episode_is_one_token_exact_sample(tok):
+    sample = task_sample()
+    task = calculator.task_of(sample)
+    rec = Recorder(scripted(tok, sample, direct_prob=0.0))
+    samples = run(run_agent(calculator.agent, RolloutArgs(agent_config(), "http://127.0.0.1:1"),
+                            sample, rec, tokenizer=tok, max_new_tokens=40, max_context_len=512))
+    assert len(samples) == 1 and len(rec.inputs) == 2
+    s = samples[0]
+    assert s.reward == 1.0 and s.metadata["used_tool"] and s.metadata["success"]
+    assert s.metadata["agent"] == {"calls": 2, "samples": 1, "history_rewrites": 0,
+                                   "tool_calls": 1, "malformed_tool_calls": 0}
+    question = [{"role": "user", "content": task["question"]}]
+    assert rec.inputs[0] == render(tok, question, [calculator.CALCULATOR_TOOL])
+    check_layout(samples, rec)
+    # The whole sample is the template's render of the finished conversation (up to the
+    # final eos): tool call, tool result and answer all rendered back token for token.
+    call = ToolCall("calculator", json.dumps({"expression": task["expression"]}), id="c")
+    convo = question + [
+        {"role": "assistant", "content": None, "tool_calls": [call.to_openai()]},
+        {"role": "tool", "tool_call_id": "c", "content": str(task["answer"])},
+        {"role": "assistant", "content": f"<answer>{task['answer']}</answer>"}]
+    full = render(tok, convo, [calculator.CALCULATOR_TOOL], generation_prompt=False)
+    assert s.tokens == full[:len(s.tokens)] and len(full) - len(s.tokens) == 1
+    assert tok.decode(s.tokens[s.prompt_length:][-1:]) == tok.eos_token
+
+
+async def _openai_errors(tok):
+    server = await SessionServer.get()
+    sample = task_sample()
+    session = server.open(policy=scripted(tok, sample, 0.0), tokenizer=tok, max_new_tokens=40,
+                          max_context_len=256)
+    client = server.client(session, timeout=30)
+    msgs = [{"role": "user", "content": "What is 1 + 2?"}]
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["policy"]
+    r = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    errors = {}
+    for name, kwargs in {"n": {"n": 2}, "stream": {"stream": True},
+                         "long": {"messages": [{"role": "user", "content": "9 " * 300}]},
+                         "bad_max_tokens": {"max_tokens": 0}}.items():
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(**{"model": "policy", "messages": msgs,
+                                                    **kwargs})
+        errors[name] = e.value
+    assert errors["long"].code == "context_length_exceeded"
+    gone = openai.AsyncOpenAI(base_url=f"{server.url}/sessions/nope/v1", api_key="x",
+                              max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        await gone.chat.completions.create(model="policy", messages=msgs)
+    await gone.close()
+    server.close_session(session)
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(model="policy", messages=msgs)
+    assert len(session.trace.calls) == 1  # only the one answered call was recorded
+
+
+def test_session_http_errors_reach_the_agent_as_openai_exceptions(tok):
+    run(_openai_errors(tok))
+
+
+def test_aborted_request_is_a_503_and_the_episode_aborted(tok):
+    cfg = agent_config()
+    args = RolloutArgs(cfg, "http://127.0.0.1:1")  # never reached: the switch answers
+    seen = []
+
+    async def agent(client, sample, args):
+        try:
+            await client.chat.completions.create(model="policy", messages=[
+                {"role": "user", "content": "hi"}])
+        except openai.InternalServerError as e:
+            seen.append(e.status_code)
+            raise
+
+    async def go():
+        policy = EnginePolicy(GenerateState(args), {"max_new_tokens": 8})
+        ABORT.on = True
+        try:
+            return await run_agent(agent, args, task_sample(), policy, tokenizer=tok,
+                                   max_new_tokens=8, max_context_len=512)
+        finally:
+            ABORT.on = False
+
+    samples = run(go())
+    assert seen == [503]
+    assert len(samples) == 1 and samples[0].status == Sample.Status.ABORTED
+
+
+# ---- real engines behind the real router -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def router(ray_local, tools_model_path):
+    with engines(tools_model_path, num_engines=1) as url:
+        yield url
+
+
+async def echo_agent(client, sample, args):
+    """Three calls, each sending the model's reply back verbatim plus a new user turn."""
+    messages = [{"role": "user", "content": "Say something."}]
+    for _ in range(3):
+        r = await client.chat.completions.create(model="policy", messages=messages,
+                                                 tools=[calculator.CALCULATOR_TOOL])
+        messages.append(r.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": "Again."})
+    return 0.0
+
+
+@pytest.mark.slow
+def test_real_engine_traces_are_token_exact_and_rewrites_counted(router, tok):
+    cfg = agent_config()
+    args = RolloutArgs(cfg, router)
+
+    async def go():
+        state = GenerateState(args)
+        results = []
+        for k in range(4):
+            params = dict(state.sampling_params, max_new_tokens=12, sampling_seed=10 + k)
+            rec = Recorder(EnginePolicy(state, params))
+            for policy in ("split", "drop"):
+                rec.inputs, rec.outputs = [], []
+                try:
+                    out = await run_agent(echo_agent, args, task_sample(k), rec, tokenizer=tok,
+                                          max_new_tokens=12, max_context_len=512,
+                                          history_policy=policy)
+                except HistoryRewriteError:
+                    out = None
+                results.append((policy, out, list(rec.inputs), list(rec.outputs)))
+        return results
+
+    results = run(go())
+    splits = 0
+    for policy, samples, inputs, outputs in results:
+        rec = Recorder(None)
+        rec.inputs, rec.outputs = inputs, outputs
+        assert len(inputs) == 3
+        assert inputs[0] == render(tok, [{"role": "user", "content": "Say something."}],
+                                   [calculator.CALCULATOR_TOOL])
+        rewrites = sum(inputs[k][:len(inputs[k - 1]) + len(outputs[k - 1][0])]
+                       != inputs[k - 1] + outputs[k - 1][0] for k in (1, 2))
+        if policy == "drop":
+            assert (samples is None) == (rewrites > 0)
+        else:
+            assert len(samples) == 1 + rewrites
+            splits += rewrites
+            check_layout(samples, rec)
+            assert all(s.metadata["agent"]["history_rewrites"] == rewrites for s in samples)
+    print(f"history rewrites of the untrained model's replies: {splits}")
+
+
+async def agent_failing_on_group_0(client, sample, args):
+    if sample.group_index == 0:
+        raise RuntimeError("the agent's tool crashed")
+    r = await client.chat.completions.create(model="policy", messages=[
+        {"role": "user", "content": "hi"}])
+    return float(len(r.choices[0].message.content or "") % 2)
+
+
+async def agent_with_bad_sampling(client, sample, args):
+    try:
+        await client.chat.completions.create(model="policy", messages=[
+            {"role": "user", "content": "hi"}])
+    except openai.APIStatusError as e:
+        sample.metadata["status"] = e.status_code
+        raise
+
+
+@pytest.mark.slow
+def test_manager_runs_agents_and_fails_the_ones_that_raise(router):
+    from rollout.manager import RolloutManagerCore
+
+    cfg = agent_config(rollout_batch_size=2, n_samples_per_prompt=2,
+                       agent={"function": "test_rollout_agent:agent_failing_on_group_0"})
+    m = RolloutManagerCore(cfg, router)
+    batch = run(m.generate(0))
+    assert len(batch) == 4 and 0 not in batch.group_ids
+    assert batch.metrics["rollout/failed_samples"] == 2.0
+    assert batch.metrics["rollout/agent/calls"] == 1.0
+    assert set(batch.statuses) <= {"completed", "truncated"}
+    # An engine error (here: sampling params the engine rejects) reaches the agent as an
+    # openai exception with the session's 502, and the sample fails like any other.
+    cfg = agent_config(rollout_batch_size=1, n_samples_per_prompt=1,
+                       agent={"function": "test_rollout_agent:agent_with_bad_sampling"})
+    m = RolloutManagerCore(cfg, router)
+    m.state.sampling_params["top_k"] = -5
+    item = m._new_items(m.train_data.next_group())[0]
+    from rollout.manager import _StepStats
+
+    stats = _StepStats()
+    run(m._run_item(item, dict(m.state.sampling_params), stats))
+    s = item.result[0]
+    assert s.status == Sample.Status.FAILED and s.metadata["status"] == 502
+    assert "InternalServerError" in s.metadata["error"]
+
+
+@pytest.mark.slow
+def test_calculator_agent_trains_end_to_end(tmp_path):
+    """The recipe's whole path for a few steps: warm-up transcripts played by the agent
+    against the scripted player, then GRPO steps whose rollouts are the agent's sessions
+    on the real engine and router."""
+    from conftest import run_main
+
+    run = run_main(tmp_path, "+recipe=calculator_agent_cpu", "warmup.steps=20",
+                   "warmup.batch_size=16", "train.num_steps=2", "rollout.rollout_batch_size=2",
+                   "rollout.n_samples_per_prompt=4", "rollout.num_engines=1",
+                   "+env.kwargs.size=64", "eval.before_and_after=false", timeout_s=400)
+    assert "warm-up: 320 scripted transcripts" in run.output
+    steps = [r for r in run.metrics if "rollout/agent/calls" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["rollout/failed_samples"] == 0.0 and r["rollout/num_samples"] >= 8
+        assert r["rollout/agent/calls"] >= 1.0 and "rollout/used_tool" in r
+    assert any("train/pg_loss" in r for r in run.metrics)
+    assert "HTTP Request:" not in run.output  # httpx's per-request INFO lines stay quiet
