@@ -87,7 +87,7 @@ def evaluate_models(specs: Sequence[str], overrides: Sequence[str] = (),
 
 
 def write_results(results: dict[str, dict[str, Any]], out: Path) -> str:
-    from trainer.loop import format_eval_table
+    from trainer.report import format_eval_table
 
     out.parent.mkdir(parents=True, exist_ok=True)
     table = format_eval_table({k: v["metrics"] for k, v in results.items()})
@@ -126,8 +126,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = Path(own["out"]) if "out" in own else (
         Path(base_config.logging.output_dir) / "eval" / f"{datetime.now():%Y%m%d-%H%M%S}" / "table.md")
     results = evaluate_models(specs, overrides)
-    table = write_results(results, out)
-    print("\n" + table + f"\n\nwritten to {out}", flush=True)
+    write_results(results, out)
+    from trainer.report import terminal_eval_table
+
+    table = terminal_eval_table({k: v["metrics"] for k, v in results.items()})
+    print(f"\n{table}\n\nevery column: {out}", flush=True)
     return 0
 
 

@@ -6,8 +6,8 @@ Colocated (engines and training ranks share devices and take turns), per step:
     engines.release_memory(); train(batch)
     engines.resume_memory(weights); push weights (version = step); resume_memory(kv_cache)
 
-The run directory holds the resolved config, metrics.jsonl, wandb files, checkpoints and
-the base-vs-trained evaluation table.
+The run directory holds the resolved config, metrics.jsonl, wandb files, checkpoints,
+the base-vs-trained evaluation table and curves.png (trainer/report.py).
 """
 
 from __future__ import annotations
@@ -31,16 +31,10 @@ from trainer.config import HomegymConfig, to_dict
 from trainer.memory_plan import check_memory
 from trainer.metrics import MetricsLogger, redact, timed, write_json
 from trainer.models import resolve_model_path
+from trainer.report import EVAL_COLUMNS, format_eval_table, terminal_eval_table, write_curves
 from trainer.runtime import Runtime
 
 log = logging.getLogger("homegym")
-
-EVAL_COLUMNS = (  # (metric suffix, column title, format)
-    ("success_rate", "success", "{:.1%}"),
-    ("raw_reward", "mean reward", "{:+.3f}"),
-    ("mean_turns", "mean turns", "{:.2f}"),
-    ("format_error_rate", "format errors", "{:.1%}"),
-)
 
 
 @dataclass
@@ -132,6 +126,7 @@ class Driver:
                 self.write_eval_table()
         finally:
             self.logger.close()
+            write_curves(self.run_dir)
         return RunResult(run_dir=self.run_dir, steps=cfg.train.num_steps, evals=self.evals,
                          final_metrics=metrics)
 
@@ -260,6 +255,7 @@ class Driver:
                 f.write(json.dumps(row, default=str) + "\n")
         if self.logger is not None:
             self.logger.log(step, {f"{name}/{k}": v for k, v in metrics.items()}, progress=False)
+            write_curves(self.run_dir)
         line = " | ".join(f"{title} {fmt.format(metrics[f'eval/{key}'])}"
                           for key, title, fmt in EVAL_COLUMNS if f"eval/{key}" in metrics)
         if "train_eval/success_rate" in metrics:
@@ -271,7 +267,8 @@ class Driver:
         table = format_eval_table(self.evals)
         (self.run_dir / "eval_table.md").write_text(table + "\n")
         write_json(self.run_dir / "eval.json", self.evals)
-        print("\n" + table, flush=True)
+        print(f"\n{terminal_eval_table(self.evals)}\nevery column: {self.run_dir / 'eval_table.md'}"
+              f"\ncurves: {self.run_dir / 'curves.png'}", flush=True)
         return table
 
     # ------------------------------------------------------------------ checkpoints
@@ -298,25 +295,6 @@ class Driver:
         self.push_weights(resumed.step)
         print(f"resumed from {path} at step {resumed.step}", flush=True)
         return resumed.step
-
-
-def format_eval_table(evals: dict[str, dict[str, float]]) -> str:
-    """Markdown table: one row per evaluation, sampled and greedy columns."""
-    passes = [("eval", "sampled"), ("eval_greedy", "greedy")]
-    if any("train_eval/success_rate" in m for m in evals.values()):
-        passes += [("train_eval", "train split, sampled"), ("train_eval_greedy", "train split, greedy")]
-    header = ["model"]
-    for prefix, label in passes:
-        header += [f"{title} ({label})" for _, title, _ in EVAL_COLUMNS]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for name, m in evals.items():
-        cells = [name]
-        for prefix, _ in passes:
-            for key, _, fmt in EVAL_COLUMNS:
-                value = m.get(f"{prefix}/{key}")
-                cells.append(fmt.format(value) if value is not None else "-")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def summarize_gain(evals: dict[str, dict[str, float]], before: str = "base",

@@ -1,0 +1,69 @@
+"""What a person reads of a run: the terminal eval table and curves.png."""
+
+import json
+
+from trainer.report import (PASSES, TERMINAL_WIDTH, format_eval_table, plot_curves,
+                            terminal_eval_table)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _metrics(success: float) -> dict[str, float]:
+    """Every pass and metric an evaluation with a train split reports."""
+    m = {}
+    for prefix, _ in PASSES:
+        m.update({f"{prefix}/success_rate": success, f"{prefix}/raw_reward": 2 * success - 1.0,
+                  f"{prefix}/mean_turns": 3.25, f"{prefix}/format_error_rate": 0.125})
+    return m
+
+
+def test_the_terminal_table_fits_100_columns_and_keeps_every_row():
+    evals = {"initial": _metrics(0.0), "base": _metrics(0.656), "step_12": _metrics(0.8),
+             "trained": _metrics(0.912)}
+    full = format_eval_table(evals)
+    assert max(len(line) for line in full.splitlines()) > TERMINAL_WIDTH  # why it exists
+    table = terminal_eval_table(evals)
+    lines = table.splitlines()
+    assert max(len(line) for line in lines) <= TERMINAL_WIDTH, table
+    for name, m in evals.items():  # each row with its held-out and greedy success
+        row = next(line for line in lines if line.startswith(f"| {name} "))
+        assert f"{m['eval/success_rate']:.1%}" in row and "train success" in lines[0]
+    assert "91.2%" in table and "+0.824" in table
+
+
+def test_long_model_names_keep_their_end_and_the_table_still_fits():
+    name = "number_guess_cpu-20261201-121314-123456/step_000024"
+    table = terminal_eval_table({name: _metrics(0.5), "base": _metrics(0.25)})
+    assert max(len(line) for line in table.splitlines()) <= TERMINAL_WIDTH, table
+    assert "step_000024 |" in table and "50.0%" in table
+
+
+def test_a_narrow_terminal_drops_the_least_important_columns_first():
+    table = terminal_eval_table({"base": _metrics(0.25)}, width=60)
+    header = table.splitlines()[0]
+    assert max(len(line) for line in table.splitlines()) <= 60, table
+    assert "success" in header and "format err" not in header
+
+
+def test_curves_png_has_the_training_and_eval_curves(tmp_path):
+    rows = [{"step": 0, **{f"initial/{k}": v for k, v in _metrics(0.0).items()}},
+            {"step": 0, **{f"base/{k}": v for k, v in _metrics(0.5).items()}}]
+    rows += [{"step": s, "rollout/raw_reward": 0.1 * s, "rollout/success_rate": 0.2 * s}
+             for s in range(1, 5)]
+    rows += [{"step": 4, **{f"trained/{k}": v for k, v in _metrics(0.75).items()}}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows)
+                                            + '{"step": 5, "rollout/raw')  # cut short by a crash
+    out = plot_curves(tmp_path)
+    assert out == tmp_path / "curves.png"
+    data = out.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+    from PIL import Image  # matplotlib's own dependency
+
+    with Image.open(out) as img:
+        img.verify()
+        width, height = img.size
+    assert width > height > 400  # 2 rollout + 4 eval panels: two rows of three
+
+
+def test_no_metrics_yet_means_no_plot(tmp_path):
+    assert plot_curves(tmp_path) is None and not (tmp_path / "curves.png").exists()
