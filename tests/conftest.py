@@ -60,6 +60,22 @@ def free_port() -> int:
     return _free_port("127.0.0.1")
 
 
+def fake_run_dir(tmp_path, model_dir, *, step: int = 3, name: str = "run") -> Path:
+    """A run directory as trainer.main leaves it, for what reads one (serve, eval): one
+    complete checkpoint ``step_<step>`` holding ``model_dir`` as its hf/ export, and
+    ``latest`` pointing at it."""
+    import shutil
+
+    from trainer.checkpoint import MARKER
+
+    run = Path(tmp_path) / name
+    step_dir = run / "checkpoints" / f"step_{step:06d}"
+    shutil.copytree(model_dir, step_dir / "hf")
+    (step_dir / MARKER).write_text("ok\n")
+    (run / "checkpoints" / "latest").symlink_to(step_dir.name)
+    return run
+
+
 def wait_for(predicate, *, timeout_s: float, what: str, interval_s: float = 0.01):
     """Poll ``predicate`` until it returns something truthy (returned); fail naming
     ``what`` after ``timeout_s``."""

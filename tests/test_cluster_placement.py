@@ -13,15 +13,14 @@ session's own local Ray instance.
 """
 
 import json
-import os
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO, clean_env
+
 pytestmark = pytest.mark.slow
 
 
@@ -105,8 +104,7 @@ def _main():
 
 @pytest.fixture(scope="module")
 def layouts():
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_ADDRESS="")
-    env.pop("RAY_ADDRESS")
+    env = clean_env()
     proc = subprocess.run([sys.executable, __file__], cwd=REPO, capture_output=True, text=True,
                           timeout=900, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

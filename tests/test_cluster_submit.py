@@ -8,9 +8,7 @@ The head runs with `--block` as our child in its own session, so the test stops 
 processes it started (never `ray stop`, which stops every Ray instance on the machine).
 """
 
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,26 +19,20 @@ import psutil
 import pytest
 import requests
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO, clean_env, free_port
+
 pytestmark = pytest.mark.slow
 # Ray 2.60 turns token authentication on by default; a throw-away loopback cluster runs
 # without it (the README shows the token set-up for a real cluster).
 NO_TOKEN = {"RAY_AUTH_MODE": "disabled"}
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture()
 def ray_head(tmp_path):
     ray_bin = Path(sys.executable).parent / "ray"
-    gcs, dash, agent = _free_port(), _free_port(), _free_port()
+    gcs, dash, agent = free_port(), free_port(), free_port()
     temp = Path("/tmp") / f"hgray-{uuid.uuid4().hex[:6]}"  # short: unix socket path limit
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", **NO_TOKEN)
-    env.pop("RAY_ADDRESS", None)
+    env = dict(clean_env(), RAY_USAGE_STATS_ENABLED="0", **NO_TOKEN)
     log = open(tmp_path / "ray_head.log", "wb")
     head = subprocess.Popen(
         [str(ray_bin), "start", "--head", "--block", "--port", str(gcs),
@@ -85,11 +77,10 @@ def ray_head(tmp_path):
         log.close()
 
 
-def test_submit_runs_a_tiny_job_on_a_ray_start_cluster(ray_head, tmp_path):
+def test_submit_runs_a_tiny_job_on_a_ray_start_cluster(ray_head, tmp_path, monkeypatch):
     out = tmp_path / "jobout"
     secret = f"hg-wandb-{uuid.uuid4().hex}"
-    env = dict(os.environ, WANDB_API_KEY=secret, OMP_NUM_THREADS="1", **NO_TOKEN)
-    env.pop("RAY_ADDRESS", None)
+    env = dict(clean_env(), WANDB_API_KEY=secret, **NO_TOKEN)
     cmd = [sys.executable, "scripts/submit.py", "--address", ray_head,
            "--python", sys.executable, "--",
            "train.num_steps=1", "warmup.steps=2", "rollout.num_engines=1",
@@ -109,7 +100,8 @@ def test_submit_runs_a_tiny_job_on_a_ray_start_cluster(ray_head, tmp_path):
     # Ray does hold the value for the job's processes (passed through, not dropped).
     from ray.job_submission import JobSubmissionClient
 
-    os.environ.update(NO_TOKEN)
+    for key, value in NO_TOKEN.items():  # for this test only, not the session
+        monkeypatch.setenv(key, value)
     jobs = JobSubmissionClient(ray_head).list_jobs()
     assert any((j.runtime_env or {}).get("env_vars", {}).get("WANDB_API_KEY") == secret
                for j in jobs)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import REPO, main_exit
 from trainer.checkpoint import MARKER, CheckpointError, CheckpointManager, preflight_output_dir
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _save(mgr, step, payload=None, fail=None):
@@ -86,18 +86,11 @@ def test_preflight_rejects_too_little_free_space(tmp_path):
         preflight_output_dir(tmp_path / "run", min_free_bytes=1 << 62)
 
 
-def _main(tmp_path, *overrides):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "trainer.main", "logging.wandb_mode=disabled",
-                           *overrides], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env=env)
-
-
 def test_trainer_main_stops_before_training_on_an_unwritable_run_dir(tmp_path):
     """Start-up check through the real entry point: the run directory cannot be created
     (a file is in the way): a message naming the key, a non-zero exit, no Ray started."""
     (tmp_path / "blocker").write_text("")
-    proc = _main(tmp_path, f"logging.output_dir={tmp_path}", "logging.run_name=blocker")
+    proc = main_exit(tmp_path, f"logging.output_dir={tmp_path}", "logging.run_name=blocker")
     out = proc.stderr + proc.stdout
     assert proc.returncode != 0
     assert "logging.output_dir: cannot write" in out
@@ -107,7 +100,7 @@ def test_trainer_main_stops_before_training_on_an_unwritable_run_dir(tmp_path):
 def test_trainer_main_unwritable_output_dir_is_a_one_line_error(tmp_path):
     blocker = tmp_path / "blocker"
     blocker.write_text("")
-    proc = _main(tmp_path, f"logging.output_dir={blocker}", "logging.run_name=x")
+    proc = main_exit(tmp_path, f"logging.output_dir={blocker}", "logging.run_name=x")
     assert proc.returncode == 2
     assert "homegym: logging.output_dir: cannot write" in proc.stderr
     assert "Traceback" not in proc.stderr

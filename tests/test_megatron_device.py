@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import REPO
 from trainer.backends.megatron import backend as B
 from trainer.backends.megatron import model as M
 
-ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
 
@@ -51,18 +51,18 @@ def test_collective_device_follows_the_groups_backend(monkeypatch):
 
 
 def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]),
                OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, timeout=timeout,
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, timeout=timeout,
                           capture_output=True, text=True)
 
 
-def _reduce_rank(rank: int, port: int, out: str) -> None:
+def _reduce_rank(rank: int, store: str, out: str) -> None:
     """Child: one of two gloo ranks reducing metric sums (rank 1 does not contribute)."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+    # Rendezvous through a file: no port to pick and lose to another process.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     sums = {"a": torch.tensor(1.5 + rank), "b": 2.0}
     got = B.all_reduce_metric_sums(sums, {"a", "b", "c"}, contributes=True)
     only0 = B.all_reduce_metric_sums(sums, {"a", "b", "c"}, contributes=rank == 0)
@@ -72,12 +72,10 @@ def _reduce_rank(rank: int, port: int, out: str) -> None:
 
 
 def test_metric_sums_all_reduce_over_gloo(tmp_path):
-    from train_batches import free_port
-
-    port, out = free_port(), str(tmp_path / "r")
-    code = "import test_megatron_device as t; t._reduce_rank({}, %d, %r)" % (port, out)
-    procs = [subprocess.Popen([sys.executable, "-c", code.format(r)], cwd=ROOT,
-                              env=dict(os.environ, PYTHONPATH=f"{ROOT}:{TESTS}"))
+    store, out = str(tmp_path / "store"), str(tmp_path / "r")
+    code = "import test_megatron_device as t; t._reduce_rank({}, %r, %r)" % (store, out)
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(r)], cwd=REPO,
+                              env=dict(os.environ, PYTHONPATH=f"{REPO}:{TESTS}"))
              for r in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     for r in range(2):
@@ -199,19 +197,15 @@ def _export(b) -> dict:
 def _offload_child(dtype: str, offload: bool, kl: float, out: str, device: str = "cpu") -> None:
     """Child: one rank (world 1: gloo on CPU, NCCL on CUDA) trains a step, [offloads,
     checks, onloads], trains another step; saves metrics and exported weights to ``out``."""
-    import socket
-
     import torch.distributed as dist
 
     from train_batches import make_batch, make_config
     from trainer.backends.megatron import MegatronBackend
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cuda = device == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1)
+    # One rank: an in-memory store, no port.
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
     extra = {"cluster": {"device": "cuda", "gpus_per_node": 1},
              "rollout": {"num_gpus": 1}} if cuda else {}
     config = make_config(train={"backend": "megatron", "lr": 1e-3,

@@ -6,13 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import REPO
 from trainer.api import compose_config
 from trainer.config import ConfigError
 from trainer.memory_plan import (BUILTIN_ARCHS, ENGINE_CONTEXT_GIB, GiB, MemoryPlanError, MiB,
                                  ModelArch, TRAIN_CONTEXT_GIB, TRAIN_NCCL_GIB, check_memory,
                                  gpu_capacity, model_arch, plan_memory)
 
-REPO = Path(__file__).resolve().parents[1]
 GPU_RECIPES = sorted(p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml")
                      if compose_config([f"+recipe={p.stem}"]).cluster.device == "cuda")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from types import SimpleNamespace
 
 from trainer.config import build_config
@@ -64,9 +63,9 @@ def make_config(**overrides):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from rollout.engines.actor import free_port as _free_port  # the one helper
+
+    return _free_port("127.0.0.1")
 
 
 def exported_params(group) -> dict:
