@@ -308,7 +308,7 @@ class BackendChecks:
         return f"{kind} world_size=1 all_reduce on {self.device}"
 
     def init(self):
-        from trainer.backends.base import make_backend
+        from trainer.backends import make_backend
 
         backend = make_backend(self.name)
         backend.init(smoke_config(self.name, "cuda" if self.cuda else "cpu", self.model_path),
@@ -475,7 +475,7 @@ class BackendChecks:
         if not pa.flash_available():
             raise Skip(f"flash_attn is not importable ({pa.flash_import_error})")
         self._need_backend()
-        from trainer.backends.base import make_backend
+        from trainer.backends import make_backend
 
         bf16 = make_backend("fsdp")
         bf16.init(smoke_config("fsdp", "cuda", self.model_path, dtype="bfloat16"), 0, 1)

@@ -14,10 +14,26 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Literal, Optional, get_args
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+
+
+# The choices of the keys that select an implementation. OmegaConf types these fields as
+# str (it has no Literal support), so each is checked against its Literal here, and the
+# registries that implement them (trainer/backends, trainer/algo) are keyed by the same
+# names and checked against them at import.
+Backend = Literal["fsdp", "megatron"]
+AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp"]
+PolicyLoss = Literal["ppo", "gspo", "sft"]
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+KLType = Literal["k1", "k2", "k3", "low_var_kl"]
+
+
+def choices(kind: Any) -> tuple[str, ...]:
+    """The names a Literal allows, in order."""
+    return get_args(kind)
 
 
 class ConfigError(ValueError):
@@ -211,12 +227,10 @@ class AlgoConfig:
     stale_policy: str = "drop"  # drop | keep (keep counts, TIS corrects)
 
     def __post_init__(self) -> None:
-        _one_of(self.advantage_estimator, "algo.advantage_estimator",
-                ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce"))
-        _one_of(self.policy_loss, "algo.policy_loss", ("ppo", "gspo", "sft"))
-        _one_of(self.loss_agg, "algo.loss_agg", ("token_mean", "seq_mean_token_mean",
-                                                 "seq_mean_token_sum", "seq_mean_token_sum_norm"))
-        _one_of(self.kl_type, "algo.kl_type", ("k1", "k2", "k3", "low_var_kl"))
+        _one_of(self.advantage_estimator, "algo.advantage_estimator", choices(AdvantageEstimator))
+        _one_of(self.policy_loss, "algo.policy_loss", choices(PolicyLoss))
+        _one_of(self.loss_agg, "algo.loss_agg", choices(LossAgg))
+        _one_of(self.kl_type, "algo.kl_type", choices(KLType))
         _one_of(self.stale_policy, "algo.stale_policy", ("drop", "keep"))
         _check(self.eps_clip > 0, "algo.eps_clip", "must be > 0")
         if self.eps_clip_high is not None:
@@ -309,7 +323,7 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        _one_of(self.backend, "train.backend", ("fsdp", "megatron"))
+        _one_of(self.backend, "train.backend", choices(Backend))
         if self.lora.enabled:
             _check(self.backend == "fsdp", "train.lora.rank",
                    "LoRA runs on the FSDP backend only; set train.backend=fsdp "

@@ -41,7 +41,7 @@ class TrainActor:
     def init(self, master_address: str, master_port: int) -> None:
         import torch.distributed as dist
 
-        from trainer.backends.base import make_backend
+        from trainer.backends import make_backend
 
         backend = "nccl" if self.config.cluster.device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{master_address}:{master_port}",

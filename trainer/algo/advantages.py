@@ -13,10 +13,11 @@ per-sample Python loops (segment sums are one ``index_add_``).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-SEQUENCE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce")
-ESTIMATORS = SEQUENCE_ESTIMATORS + ("reinforce_pp",)
+from trainer.config import AdvantageEstimator, choices
 
 
 def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -66,19 +67,25 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     return torch.where(count > 1, rewards - others, torch.zeros_like(rewards))
 
 
-def sequence_advantages(estimator: str, rewards: torch.Tensor,
+# Sequence-level estimators: (rewards, group_ids) -> one advantage per sample. The only
+# other estimator, reinforce_pp, is token-level (reinforce_pp_returns + masked_whiten).
+SEQUENCE_ESTIMATORS: dict[AdvantageEstimator, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "grpo": grpo_advantages,
+    "dr_grpo": lambda rewards, group_ids: grpo_advantages(rewards, group_ids, normalize_std=False),
+    "rloo": rloo_advantages,
+    "reinforce": lambda rewards, group_ids: rewards.clone(),
+}
+TOKEN_ESTIMATORS = ("reinforce_pp",)
+assert set(SEQUENCE_ESTIMATORS) | set(TOKEN_ESTIMATORS) == set(choices(AdvantageEstimator))
+
+
+def sequence_advantages(estimator: AdvantageEstimator, rewards: torch.Tensor,
                         group_ids: torch.Tensor) -> torch.Tensor:
     """One advantage per sample for the sequence-level estimators."""
-    if estimator == "grpo":
-        return grpo_advantages(rewards, group_ids)
-    if estimator == "dr_grpo":
-        return grpo_advantages(rewards, group_ids, normalize_std=False)
-    if estimator == "rloo":
-        return rloo_advantages(rewards, group_ids)
-    if estimator == "reinforce":
-        return rewards.clone()
-    raise ValueError(f"algo.advantage_estimator: {estimator!r} is not sequence-level; "
-                     f"choose one of {', '.join(SEQUENCE_ESTIMATORS)}")
+    if estimator not in SEQUENCE_ESTIMATORS:
+        raise ValueError(f"algo.advantage_estimator: {estimator!r} is not sequence-level; "
+                         f"choose one of {', '.join(SEQUENCE_ESTIMATORS)}")
+    return SEQUENCE_ESTIMATORS[estimator](rewards, group_ids)
 
 
 def segment_sum(values: torch.Tensor, seq_idx: torch.Tensor, num_seqs: int) -> torch.Tensor:

@@ -13,14 +13,12 @@ accumulation and 1-vs-N ranks agree.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from trainer.algo.advantages import segment_sum
-
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+from trainer.config import KLType, LossAgg, choices
 
 
 @dataclass(frozen=True)
@@ -68,18 +66,23 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     r' = ref/pi (unbiased, always >= 0). low_var_kl is k3 with the log-ratio and the result
     clamped as in verl, so one token with a huge ratio cannot blow up the step.
     """
-    log_ratio = logp - ref_logp
-    if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio.square()
-    if kind in ("k3", "low_var_kl"):
-        inv = -log_ratio
-        if kind == "low_var_kl":
-            inv = inv.clamp(-20.0, 20.0)
-        kl = inv.exp() - inv - 1.0
-        return kl.clamp(-10.0, 10.0) if kind == "low_var_kl" else kl
-    raise ValueError(f"algo.kl_type: must be one of {', '.join(KL_TYPES)} (got {kind!r})")
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"algo.kl_type: must be one of {', '.join(KL_ESTIMATORS)} (got {kind!r})")
+    return KL_ESTIMATORS[kind](logp - ref_logp)
+
+
+def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    inv = -log_ratio
+    return inv.exp() - inv - 1.0
+
+
+KL_ESTIMATORS: dict[KLType, Callable[[torch.Tensor], torch.Tensor]] = {
+    "k1": lambda log_ratio: log_ratio,
+    "k2": lambda log_ratio: 0.5 * log_ratio.square(),
+    "k3": _k3,
+    "low_var_kl": lambda log_ratio: _k3(log_ratio.clamp(-20.0, 20.0)).clamp(-10.0, 10.0),
+}
+assert tuple(KL_ESTIMATORS) == choices(KLType)
 
 
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
@@ -143,15 +146,34 @@ def aggregate(values: torch.Tensor, loss_mask: torch.Tensor, seq_idx: torch.Tens
     seq_mean_token_sum: per-sample token sum / global samples.
     seq_mean_token_sum_norm: token sum / (global samples x norm_len) (Dr.GRPO).
     """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"algo.loss_agg: must be one of {', '.join(AGGREGATIONS)} (got {mode!r})")
     mask = loss_mask.to(values.dtype)
-    masked = values * mask
-    if mode == "token_mean":
-        return masked.sum() / max(norms.num_tokens, 1)
-    if mode == "seq_mean_token_mean":
-        counts = segment_sum(mask, seq_idx, num_seqs).clamp(min=1)
-        return (segment_sum(masked, seq_idx, num_seqs) / counts).sum() / max(norms.num_seqs, 1)
-    if mode == "seq_mean_token_sum":
-        return masked.sum() / max(norms.num_seqs, 1)
-    if mode == "seq_mean_token_sum_norm":
-        return masked.sum() / max(norms.num_seqs * norms.norm_len, 1)
-    raise ValueError(f"algo.loss_agg: must be one of {', '.join(LOSS_AGGS)} (got {mode!r})")
+    return AGGREGATIONS[mode](values * mask, mask, seq_idx, num_seqs, norms)
+
+
+def _seq_mean_token_mean(masked, mask, seq_idx, num_seqs, norms):
+    counts = segment_sum(mask, seq_idx, num_seqs).clamp(min=1)
+    return (segment_sum(masked, seq_idx, num_seqs) / counts).sum() / max(norms.num_seqs, 1)
+
+
+def _token_mean(masked, mask, seq_idx, num_seqs, norms):
+    return masked.sum() / max(norms.num_tokens, 1)
+
+
+def _seq_mean_token_sum(masked, mask, seq_idx, num_seqs, norms):
+    return masked.sum() / max(norms.num_seqs, 1)
+
+
+def _seq_mean_token_sum_norm(masked, mask, seq_idx, num_seqs, norms):
+    return masked.sum() / max(norms.num_seqs * norms.norm_len, 1)
+
+
+# (masked values, mask, seq_idx, num_seqs, norms) -> this micro-batch's share of the loss.
+AGGREGATIONS: dict[LossAgg, Callable[..., torch.Tensor]] = {
+    "token_mean": _token_mean,
+    "seq_mean_token_mean": _seq_mean_token_mean,
+    "seq_mean_token_sum": _seq_mean_token_sum,
+    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
+}
+assert tuple(AGGREGATIONS) == choices(LossAgg)

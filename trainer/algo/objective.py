@@ -9,12 +9,13 @@ them over micro-batches and all-reduces (SUM) over data-parallel ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from trainer.algo.losses import (
     LossNorms, aggregate, gspo_loss, kl_penalty, ppo_clip_loss, tis_weights)
+from trainer.config import PolicyLoss, choices
 
 
 @dataclass
@@ -38,6 +39,22 @@ def _token_mean(values: torch.Tensor, mask: torch.Tensor, norms: LossNorms) -> t
     return (values.detach() * mask).sum() / max(count, 1)
 
 
+def _ppo(algo, inputs: "TokenInputs", log_probs, old, mask, eps_high):
+    return ppo_clip_loss(log_probs, old, inputs.advantages, eps_low=algo.eps_clip,
+                         eps_high=eps_high, dual_clip_c=algo.dual_clip_c)
+
+
+def _gspo(algo, inputs: "TokenInputs", log_probs, old, mask, eps_high):
+    return gspo_loss(log_probs, old, inputs.advantages, mask, inputs.seq_idx, inputs.num_seqs,
+                     eps_low=algo.eps_clip, eps_high=eps_high)
+
+
+# RL policy losses: per-token (loss, clipped); "sft" is sft_objective's.
+POLICY_LOSSES: dict[PolicyLoss, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "ppo": _ppo, "gspo": _gspo}
+assert set(POLICY_LOSSES) | {"sft"} == set(choices(PolicyLoss))
+
+
 def policy_objective(algo, inputs: TokenInputs, log_probs: torch.Tensor,
                      entropy: Optional[torch.Tensor], norms: LossNorms,
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -51,15 +68,10 @@ def policy_objective(algo, inputs: TokenInputs, log_probs: torch.Tensor,
     # logp.detach() gives ratio exp(0) = 1 with the correct gradient, without a forward.
     old = inputs.old_log_probs if inputs.old_log_probs is not None else log_probs.detach()
     eps_high = algo.eps_clip_high if algo.eps_clip_high is not None else algo.eps_clip
-    if algo.policy_loss == "ppo":
-        pg, clipped = ppo_clip_loss(log_probs, old, inputs.advantages, eps_low=algo.eps_clip,
-                                    eps_high=eps_high, dual_clip_c=algo.dual_clip_c)
-    elif algo.policy_loss == "gspo":
-        pg, clipped = gspo_loss(log_probs, old, inputs.advantages, mask, inputs.seq_idx,
-                                inputs.num_seqs, eps_low=algo.eps_clip, eps_high=eps_high)
-    else:
+    if algo.policy_loss not in POLICY_LOSSES:
         raise ValueError(f"algo.policy_loss: {algo.policy_loss!r} is not an RL loss "
                          "(use sft_objective for supervised steps)")
+    pg, clipped = POLICY_LOSSES[algo.policy_loss](algo, inputs, log_probs, old, mask, eps_high)
 
     metrics: dict[str, torch.Tensor] = {}
     has_rollout = (inputs.rollout_mask.to(log_probs.dtype) if inputs.rollout_mask is not None

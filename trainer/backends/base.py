@@ -48,17 +48,3 @@ class TrainBackend(Protocol):
 
     def onload(self) -> None: ...
 
-
-def make_backend(name: str) -> TrainBackend:
-    """The backend named by ``train.backend``."""
-    if name == "fsdp":
-        from trainer.backends.fsdp import FSDPBackend
-
-        return FSDPBackend()
-    if name == "megatron":
-        try:
-            from trainer.backends.megatron import MegatronBackend  # type: ignore[import-not-found]
-        except ImportError as e:
-            raise ValueError("train.backend=megatron is not available in this build") from e
-        return MegatronBackend()
-    raise ValueError(f"train.backend: must be fsdp or megatron (got {name!r})")
