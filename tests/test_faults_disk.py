@@ -164,3 +164,20 @@ def test_disk_full_mid_write_for_real(tmp_path):
     assert mgr.latest() == mgr.root / "step_000001"
     assert (mgr.root / "latest").resolve().name == "step_000001"
     assert torch.load(mgr.latest() / "train" / "model.pt")["w"].numel() == 16
+
+
+def test_resume_setting_picks_the_checkpoint(tmp_path):
+    """train.resume: `auto` takes this run's latest complete checkpoint, `never` none even
+    when one exists, a path exactly that checkpoint; an incomplete or missing path is a
+    named error."""
+    mgr = CheckpointManager(tmp_path / "run")
+    assert mgr.resolve_resume("auto") is None  # a new run
+    first, second = _save(mgr, 1), _save(mgr, 2)
+    assert mgr.resolve_resume("auto") == second
+    assert mgr.resolve_resume("never") is None
+    assert Path(mgr.resolve_resume(str(first))).resolve() == first.resolve()
+    (first / MARKER).unlink()  # as a save cut short would leave it
+    with pytest.raises(CheckpointError, match="train.resume: .* not a complete checkpoint"):
+        mgr.resolve_resume(str(first))
+    with pytest.raises(CheckpointError, match="train.resume"):
+        mgr.resolve_resume(str(tmp_path / "nowhere"))

@@ -131,3 +131,25 @@ def test_train_step_decreases_loss_on_fixed_batch(tp1, batch):
         assert key in metrics, key
     losses = [tp1.sft_step(batch)["train/sft_loss"] for _ in range(3)]
     assert losses[2] < losses[1] < losses[0]
+
+
+def test_megatron_trains_through_trainer_main_with_engines_and_weight_sync(tmp_path, tiny_model_path):
+    """README: `train.backend=megatron` is a full run: `python -m trainer.main` with CPU
+    engines, TP=2 ranks, one RL step and its weight sync (read back and checked against
+    what was sent by WeightSync), then the hf/ export of the trained weights."""
+    from conftest import run_main
+
+    run = run_main(tmp_path, "train.backend=megatron", "train.ranks_per_node=2",
+                   "train.tensor_model_parallel_size=2", "train.num_steps=1",
+                   "warmup.steps=4", "rollout.num_engines=1", "rollout.rollout_batch_size=2",
+                   "rollout.n_samples_per_prompt=4", "eval.before_and_after=false",
+                   "train.share_prompts=false", timeout_s=600)
+    steps = [m for m in run.metrics if "rollout/raw_reward" in m]
+    assert [m["step"] for m in steps] == [1]
+    base = load_file(os.path.join(tiny_model_path, "model.safetensors"))
+    # The step's push carried the whole model (float32 bytes of every exported tensor).
+    assert steps[0]["perf/weight_sync_bytes"] >= sum(t.numel() * 4 for t in base.values()
+                                                     if t.dtype == torch.float32) * 0.9
+    trained = load_file(str(run.run_dir / "checkpoints" / "latest" / "hf" / "model.safetensors"))
+    assert set(trained) <= set(base)
+    assert any(not torch.equal(trained[k], base[k]) for k in trained)
