@@ -85,9 +85,10 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
 
 def merged_tensors(items: Iterable[tuple[str, torch.Tensor]],
                    layers: dict[str, float]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``items`` (the model's state in state_dict order, full tensors) with each adapted
-    Linear's weight merged (fp32, then the base's dtype) under its HF name; adapter
-    matrices themselves are not yielded."""
+    """``items`` (the model's state in state_dict order, full tensors the caller hands
+    over: fp32 base weights are merged in place) with each adapted Linear's weight merged
+    (in fp32, then the base's dtype) under its HF name; adapter matrices themselves are
+    not yielded."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, value in items:
         if _BASE in name:
@@ -108,7 +109,9 @@ def merged_tensors(items: Iterable[tuple[str, torch.Tensor]],
         if len(parts) == 3:
             del pending[module]
             w, a, b = parts["W"], parts["A"], parts["B"]
-            merged = w.float() + layers[module] * (b.float() @ a.float())
+            # In place on the gathered copy: no second weight-sized tensor per layer.
+            merged = w if w.dtype == torch.float32 else w.float()
+            merged.addmm_(b.float(), a.float(), alpha=layers[module])
             yield f"{module}.weight", merged.to(w.dtype)
     if pending:
         raise RuntimeError(f"LoRA layers without all of base/A/B weights: {sorted(pending)}")
