@@ -227,8 +227,15 @@ class RolloutManagerCore:
             # bounding samples bounds its requests (rollout.max_concurrency).
             if item.seed is not None:
                 sampling_params = dict(sampling_params, sampling_seed=item.seed)
-            async with self.state.semaphore:
+            if self.agent:
+                # An agent's requests go through EnginePolicy, which takes the semaphore
+                # per request; holding it per episode as well would deadlock once
+                # max_concurrency episodes wait for a request permit.
                 out = await self.custom_generate(self.args, ep.sample, dict(sampling_params))
+            else:
+                async with self.state.semaphore:
+                    out = await self.custom_generate(self.args, ep.sample,
+                                                     dict(sampling_params))
             samples = list(out) if isinstance(out, (list, tuple)) else [out]
             version = gen.LAST_WEIGHT_VERSION[0]
             for s in samples:

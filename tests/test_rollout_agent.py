@@ -347,7 +347,9 @@ async def agent_with_bad_sampling(client, sample, args):
 def test_manager_runs_agents_and_fails_the_ones_that_raise(router):
     from rollout.manager import RolloutManagerCore
 
-    cfg = agent_config(rollout_batch_size=2, n_samples_per_prompt=2,
+    # More episodes than request permits (max_concurrency): must not deadlock.
+    cfg = agent_config(rollout_batch_size=2, n_samples_per_prompt=2, max_concurrency=1,
+                       sample_timeout_s=30.0,
                        agent={"function": "test_rollout_agent:agent_failing_on_group_0"})
     m = RolloutManagerCore(cfg, router)
     batch = run(m.generate(0))
@@ -390,3 +392,43 @@ def test_calculator_agent_trains_end_to_end(tmp_path):
         assert r["rollout/agent/calls"] >= 1.0 and "rollout/used_tool" in r
     assert any("train/pg_loss" in r for r in run.metrics)
     assert "HTTP Request:" not in run.output  # httpx's per-request INFO lines stay quiet
+
+
+class Hold:
+    on = True
+
+
+async def agent_busy_on_odd_groups(client, sample, args):
+    """Odd groups keep calling the model until released: in flight when the step ends."""
+    msgs = [{"role": "user", "content": "hi"}]
+    calls = 0
+    while sample.group_index % 2 == 1 and Hold.on:
+        await client.chat.completions.create(model="policy", messages=msgs, max_tokens=1)
+        calls += 1
+    await client.chat.completions.create(model="policy", messages=msgs)
+    sample.metadata["busy_calls"] = calls
+    return 1.0
+
+
+@pytest.mark.slow
+def test_agents_aborted_at_the_end_of_a_step_restart_next_step(router):
+    from rollout.manager import RolloutManagerCore
+
+    cfg = agent_config(rollout_batch_size=2, over_sampling_batch_size=4, n_samples_per_prompt=2,
+                       partial_rollout=True,
+                       agent={"function": "test_rollout_agent:agent_busy_on_odd_groups"})
+    m = RolloutManagerCore(cfg, router)
+    b0 = run(m.generate(0))
+    assert sorted(set(b0.group_ids)) == [0, 2]
+    assert b0.metrics["rollout/aborted_groups"] == 2 and len(m.buffer) == 2
+    for items in m.buffer:  # restarted from the prompt, as a custom generate function is
+        for it in items:
+            assert it.result is None and it.episode.sample.tokens == it.prompt_ids
+    Hold.on = False
+    try:
+        b1 = run(m.generate(1))
+    finally:
+        Hold.on = True
+    assert sorted(set(b1.group_ids)) == [1, 3] and b1.metrics["rollout/resumed_groups"] == 2
+    # The restarted episodes' samples hold only their new session's single call.
+    assert b1.metrics["rollout/agent/calls"] == 1.0 and b1.metrics["rollout/busy_calls"] == 0.0
