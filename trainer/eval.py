@@ -125,7 +125,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     out = Path(own["out"]) if "out" in own else (
         Path(base_config.logging.output_dir) / "eval" / f"{datetime.now():%Y%m%d-%H%M%S}" / "table.md")
-    results = evaluate_models(specs, overrides)
+    from trainer.main import user_error
+
+    try:
+        results = evaluate_models(specs, overrides)
+    except Exception as err:  # a config error inside an actor: one line, not Ray's traceback
+        reported = user_error(err)
+        if reported is None:
+            raise
+        print(f"homegym: {reported}", file=sys.stderr)
+        return 2
     write_results(results, out)
     from trainer.report import terminal_eval_table
 
