@@ -40,6 +40,25 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.fixture()
+def engine_group(ray_local, tiny_model_path, tmp_path):
+    """``engine_group(config, **kwargs)`` starts an EngineGroup (tiny model by default)
+    that is shut down after the test, whether or not an assert failed."""
+    from rollout.engines.group import EngineGroup
+
+    groups = []
+
+    def start(config, **kwargs):
+        kwargs.setdefault("model_path", tiny_model_path)
+        kwargs.setdefault("log_dir", str(tmp_path / f"engines{len(groups)}"))
+        groups.append(EngineGroup(config, **kwargs))
+        return groups[-1]
+
+    yield start
+    for group in reversed(groups):
+        group.shutdown()
+
+
 def push_tensors(client, named_tensors, version=None) -> dict:
     """Load (name, tensor) pairs into one engine through SGLang's own tensor route, in
     SGLang's payload format (what the training ranks send)."""
@@ -193,6 +212,39 @@ def clean_env() -> dict:
     return env
 
 
+def run_group(cmd, *, timeout_s: float, merge_output: bool = False, **kwargs):
+    """``subprocess.run`` with text output captured, in its own process group, which is
+    killed whole once the command returns or times out (what it started cannot outlive
+    the test). Output goes through files, not pipes, so a leftover grandchild holding
+    them open cannot stall the wait. ``timeout_s`` stays under pytest's own timeout, so
+    the test fails with the output rather than being killed without it."""
+    import signal
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=out if merge_output else err,
+                                text=True, start_new_session=True, **kwargs)
+        try:
+            proc.wait(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if timed_out:
+        pytest.fail(f"{' '.join(map(str, cmd))[:200]} timed out after {timeout_s:.0f}s:\n"
+                    f"{stdout[-3000:]}{stderr[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 class MainRun:
     def __init__(self, run_dir: Path, output: str):
         self.run_dir, self.output = run_dir, output
@@ -203,31 +255,18 @@ class MainRun:
 
 
 def run_main(tmp_path, *overrides, timeout_s: float = 600, run_name: str = "run") -> MainRun:
-    """``python -m trainer.main`` in its own process group (killed whole on a timeout),
-    with a clean environment and the run under ``tmp_path``; fails with the output's tail."""
-    import signal
-    import subprocess
+    """``python -m trainer.main`` in its own process group (killed whole when it ends or
+    times out), with a clean environment and the run under ``tmp_path``; fails with the
+    output's tail."""
     import sys
 
     out_dir = Path(tmp_path) / "out"
     cmd = [sys.executable, "-m", "trainer.main", f"logging.output_dir={out_dir}",
            f"logging.run_name={run_name}", "logging.wandb_mode=offline", *overrides]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"trainer.main timed out after {timeout_s:.0f}s:\n{output[-4000:]}")
-    finally:  # whatever the run left in its group (it should have stopped everything)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    proc = run_group(cmd, cwd=REPO, env=clean_env(), timeout_s=timeout_s, merge_output=True)
     if proc.returncode != 0:
-        pytest.fail(f"trainer.main exited {proc.returncode}:\n{output[-4000:]}")
-    return MainRun(out_dir / run_name, output)
+        pytest.fail(f"trainer.main exited {proc.returncode}:\n{proc.stdout[-4000:]}")
+    return MainRun(out_dir / run_name, proc.stdout)
 
 
 class MainExit:

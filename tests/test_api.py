@@ -2,19 +2,18 @@
 to Ray workers, datasets, and (slow tier) the seed tutorial example end to end."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from conftest import REPO, clean_env, read_jsonl, run_group
 from trainer import api
 from trainer.api import (DatasetConfig, NumberGuessCPURecipe, Qwen3_4B, Qwen3_4B_Recipe,
                          TinyQwen3, TrainConfig)
 from trainer.config import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_cpu_recipe_fields_map_onto_the_hydra_config():
@@ -140,21 +139,39 @@ def test_seed_example_runs_end_to_end(tmp_path):
     """examples/number_guess.py --quick: base eval through an endpoint, TrainConfig.launch()
     (warm-up + 2 RL steps, the script's own reward function shipped from __main__), trained
     eval through an endpoint, table."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_ADDRESS="")
-    env.pop("RAY_ADDRESS")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "number_guess.py"), "--quick",
+    proc = run_group(
+        [sys.executable, str(REPO / "examples" / "number_guess.py"), "--quick",
          f"logging.output_dir={tmp_path}", "logging.wandb_mode=disabled"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
+        cwd=tmp_path, env=clean_env(), timeout_s=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
     summary = json.loads(line[len("RESULT "):])
     run_dir = Path(summary["run_dir"])
-    assert (Path(summary["checkpoint"]) / "hf" / "config.json").exists()
     cfg = (run_dir / "config.yaml").read_text()
     assert "trainer.api:shipped__number_guess_rm__" in cfg  # shipped by value from __main__
     assert (run_dir / "data" / "train.parquet").exists()
+    # The two RL steps ran.
+    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "rollout/raw_reward" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    # The trained endpoint served a different model from the base one: the checkpoint
+    # the second evaluation loaded is not the base's weights.
+    from safetensors.torch import load_file
+
+    from trainer.models import resolve_model_path
+
+    trained = load_file(str(Path(summary["checkpoint"]) / "hf" / "model.safetensors"))
+    base = load_file(str(Path(resolve_model_path("tiny-qwen3")) / "model.safetensors"))
+    assert any(not torch.equal(trained[k], base[k]) for k in trained)
+    # Each evaluation played all 10 even targets, scored by the example's own shaping:
+    # success 2.0 - 0.1 * (turns - 1) with turns <= 6, format error -2, otherwise -1.
     for name in ("base", "trained"):
-        assert 0.0 <= summary[name]["success_rate"] <= 1.0
-        assert -2.0 <= summary[name]["mean_reward"] <= 2.0
-    assert "| trained |" in (run_dir / "example_eval_table.md").read_text()
+        s = summary[name]
+        n_success, n_format = round(10 * s["success_rate"]), round(10 * s["format_error_rate"])
+        assert abs(10 * s["success_rate"] - n_success) < 1e-9
+        n_other = 10 - n_success - n_format
+        low = (1.5 * n_success - n_other - 2 * n_format) / 10
+        high = (2.0 * n_success - n_other - 2 * n_format) / 10
+        assert low - 1e-9 <= s["mean_reward"] <= high + 1e-9, (name, s)
+    table = (run_dir / "example_eval_table.md").read_text()
+    for name in ("base", "trained"):
+        assert f"| {name} | {summary[name]['success_rate']:.1%} | {summary[name]['mean_reward']:+.3f} |" in table

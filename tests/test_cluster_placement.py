@@ -13,13 +13,12 @@ session's own local Ray instance.
 """
 
 import json
-import subprocess
 import sys
 from collections import Counter
 
 import pytest
 
-from conftest import REPO, clean_env
+from conftest import REPO, clean_env, run_group
 
 pytestmark = pytest.mark.slow
 
@@ -105,8 +104,7 @@ def _main():
 @pytest.fixture(scope="module")
 def layouts():
     env = clean_env()
-    proc = subprocess.run([sys.executable, __file__], cwd=REPO, capture_output=True, text=True,
-                          timeout=900, env=env)
+    proc = run_group([sys.executable, __file__], cwd=REPO, timeout_s=600, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(lines[-1][len("RESULT "):])

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import requests
 
-from conftest import REPO, clean_env, free_port
+from conftest import REPO, clean_env, free_port, run_group
 
 pytestmark = pytest.mark.slow
 # Ray 2.60 turns token authentication on by default; a throw-away loopback cluster runs
@@ -87,7 +87,7 @@ def test_submit_runs_a_tiny_job_on_a_ray_start_cluster(ray_head, tmp_path, monke
            "train.ranks_per_node=1", "rollout.rollout_batch_size=2",
            "rollout.n_samples_per_prompt=2", "eval.before_and_after=false",
            "logging.wandb_mode=disabled", f"logging.output_dir={out}", "logging.run_name=job"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    proc = run_group(cmd, cwd=REPO, timeout_s=600, env=env)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-5000:]
     assert "SUCCEEDED" in text

@@ -1,25 +1,33 @@
 """trainer/eval.py: evaluating models side by side on an environment's eval split."""
 
 import json
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import REPO, clean_env, fake_run_dir, run_group
 from trainer.eval import _label, evaluate_models, write_results
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["rollout.num_engines=1", "eval.n_samples_per_prompt=1", "eval.greedy=false",
          "logging.wandb_mode=disabled"]
 
 
-def _fake_run(tmp_path: Path, model_dir: str) -> Path:
-    run = tmp_path / "run"
-    shutil.copytree(model_dir, run / "checkpoints" / "step_000003" / "hf")
-    (run / "checkpoints" / "latest").symlink_to("step_000003")
+def _fake_run(tmp_path: Path, model_dir: str, *, perturb: bool = False) -> Path:
+    """A run directory whose latest checkpoint is ``model_dir``'s model, or (``perturb``)
+    that model with noise added to every weight: a different policy."""
+    run = fake_run_dir(tmp_path, model_dir, step=3)
+    hf = run / "checkpoints" / "step_000003" / "hf"
+    if perturb:
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        gen = torch.Generator().manual_seed(0)
+        weights = load_file(str(hf / "model.safetensors"))
+        # A fresh draw of every non-constant tensor at its own scale (norm weights stay).
+        save_file({k: (v.std() * torch.randn(v.shape, generator=gen) + v.mean()).contiguous()
+                   if v.numel() > 1 and v.std() > 0 else v for k, v in weights.items()},
+                  str(hf / "model.safetensors"), metadata={"format": "pt"})
     return run
 
 
@@ -42,33 +50,42 @@ def test_write_results_table(tmp_path):
 
 @pytest.mark.slow
 def test_base_vs_checkpoint_side_by_side(ray_local, tmp_path, tiny_model_path):
-    run = _fake_run(tmp_path, tiny_model_path)
-    results = evaluate_models(["base", str(run)], SMALL, quiet=True)
+    """Each model is evaluated with its own weights on the same, paired games."""
+    run = _fake_run(tmp_path, tiny_model_path, perturb=True)
+    results = evaluate_models(["base", str(run)], [*SMALL, "eval.greedy=true"], quiet=True)
     assert list(results) == ["base", "run/step_000003"]
-    for r in results.values():
-        m = r["metrics"]
-        for key in ("eval/success_rate", "eval/raw_reward", "eval/mean_turns",
-                    "eval/format_error_rate"):
-            assert key in m, sorted(m)
-        assert len(r["rows"]) == 10  # the 10 even targets, one sample each
-    # Same weights, greedy-free sampling aside: both are evaluated on the same prompts.
-    paths = [r["model_path"] for r in results.values()]
-    assert paths[0] == "tiny-qwen3" and paths[1].endswith("step_000003/hf")
+    base, ckpt = results.values()
+    assert base["model_path"] == "tiny-qwen3" and ckpt["model_path"].endswith("step_000003/hf")
+    for r in (base, ckpt):
+        # The 10 even targets, one sampled and one greedy game each.
+        assert len(r["rows"]) == 20
+        for prefix in ("eval", "eval_greedy"):
+            rewards = [row["reward"] for row in r["rows"] if row["pass"] == prefix]
+            assert len(rewards) == 10
+            assert r["metrics"][f"{prefix}/raw_reward"] == pytest.approx(sum(rewards) / 10)
+            for key in ("success_rate", "mean_turns", "format_error_rate"):
+                assert f"{prefix}/{key}" in r["metrics"], sorted(r["metrics"])
+    # Side by side: the same games in the same order for both models...
+    key = [(row["pass"], row["group"], json.dumps(row["label"])) for row in base["rows"]]
+    assert key == [(row["pass"], row["group"], json.dumps(row["label"])) for row in ckpt["rows"]]
+    # ...played by different policies. Greedy games and sampled ones (eval.seed pairs the
+    # draws: the same seed per game for both models) would be identical had the checkpoint's
+    # weights not been the ones evaluated.
+    assert [row["response"] for row in base["rows"]] != [row["response"] for row in ckpt["rows"]]
 
 
 @pytest.mark.slow
 def test_eval_cli(tmp_path, tiny_model_path):
     run = _fake_run(tmp_path, tiny_model_path)
     out = tmp_path / "cmp" / "table.md"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-m", "trainer.eval", "+recipe=number_guess_cpu",
-                           f"checkpoint={run}", "compare=base", f"out={out}", *SMALL],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    env = clean_env()
+    proc = run_group([sys.executable, "-m", "trainer.eval", "+recipe=number_guess_cpu",
+                      f"checkpoint={run}", "compare=base", f"out={out}", *SMALL],
+                     cwd=REPO, env=env, timeout_s=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     table = out.read_text()
     assert table.count("\n") == 4 and "| base |" in table
     assert set(json.loads((out.parent / "eval.json").read_text())) >= {"base"}
-    bad = subprocess.run([sys.executable, "-m", "trainer.eval", f"checkpoint={tmp_path}/none"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    bad = run_group([sys.executable, "-m", "trainer.eval", f"checkpoint={tmp_path}/none"],
+                    cwd=REPO, env=env, timeout_s=120)
     assert bad.returncode == 2 and "checkpoint=" in bad.stderr

@@ -10,21 +10,19 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import requests
 import torch
 from safetensors.torch import load_file
 
-from conftest import compose_config, read_jsonl
+from conftest import REPO, clean_env, compose_config, read_jsonl, run_main
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 # A short run: small warm-up, 2 prompts x 4 samples per step, one sampled eval pass.
 SHORT = ["warmup.steps=20", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4",
-         "eval.n_samples_per_prompt=1", "logging.wandb_mode=offline"]
+         "eval.n_samples_per_prompt=1"]
 
 
 def main_cmd(*overrides):
@@ -96,26 +94,38 @@ def test_weight_sync_round_trip(ray_local, tiny_model_path):
 
 
 def test_short_run_learns_something_and_writes_its_run_dir(tmp_path, tiny_model_path):
-    out = tmp_path / "out"
-    proc = subprocess.run(main_cmd("train.num_steps=3", "logging.run_name=short",
-                                   f"logging.output_dir={out}"),
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = out / "short"
-    steps = [r for r in read_jsonl(run / "metrics.jsonl") if "train/pg_loss" in r]
+    run = run_main(tmp_path, *SHORT, "train.num_steps=3", "train.save_interval=1",
+                   run_name="short")
+    steps = [r for r in run.metrics if "rollout/raw_reward" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:
-        assert math.isfinite(r["rollout/raw_reward"]) and math.isfinite(r["train/pg_loss"])
-        assert r["perf/weight_sync_bytes"] > 0
-    assert "step 3/3" in proc.stdout
-    # The exported policy differs from the model it started from.
-    trained = load_file(str(run / "checkpoints" / "latest" / "hf" / "model.safetensors"))
+        assert math.isfinite(r["rollout/raw_reward"]) and r["perf/weight_sync_bytes"] > 0
+    # A step whose rewards are all equal has no advantage to train on (skipped); steps 2-3
+    # must have had a signal, or the comparison below would not involve RL.
+    trained = [r for r in steps if "train/pg_loss" in r]
+    assert all(math.isfinite(r["train/pg_loss"]) for r in trained)
+    assert {r["step"] for r in trained} & {2, 3}, [r.get("train/skipped_samples") for r in steps]
+    assert "step 3/3" in run.output
+    ckpts = run.run_dir / "checkpoints"
+    exported = {s: load_file(str(ckpts / f"step_{s:06d}" / "hf" / "model.safetensors"))
+                for s in (1, 3)}
     base = load_file(os.path.join(tiny_model_path, "model.safetensors"))
-    assert set(trained) <= set(base)
-    assert any(not torch.equal(trained[k], base[k]) for k in trained)
-    table = (run / "eval_table.md").read_text()
+    assert set(exported[3]) <= set(base)
+    # The RL updates themselves moved the policy, not only the warm-up's SFT before them:
+    # the export after step 3 differs from the one after step 1 (both past the warm-up).
+    assert any(not torch.equal(exported[3][k], exported[1][k]) for k in exported[3])
+    assert (ckpts / "latest").resolve().name == "step_000003"
+    table = (run.run_dir / "eval_table.md").read_text()
     assert "| base |" in table and "| trained |" in table
-    assert (run / "config.yaml").exists() and list((run / "wandb").glob("offline-run-*"))
+    printed = [line for line in run.output.splitlines() if line.startswith("| ")]
+    assert any(line.startswith("| trained ") for line in printed)
+    assert max(len(line) for line in printed) <= 100  # the console's table fits a terminal
+    from PIL import Image
+
+    with Image.open(run.run_dir / "curves.png") as png:  # reward, success, evals per step
+        assert png.format == "PNG"
+        png.verify()
+    assert (run.run_dir / "config.yaml").exists() and list((run.run_dir / "wandb").glob("offline-run-*"))
 
 
 def expected_data_order(config, num_steps):
@@ -133,10 +143,11 @@ def expected_data_order(config, num_steps):
 
 def test_resume_after_kill_continues_the_same_run(tmp_path):
     out = tmp_path / "out"
-    overrides = ["train.num_steps=4", "train.save_interval=1", "logging.run_name=killed",
-                 f"logging.output_dir={out}", "eval.before_and_after=false"]
+    overrides = ["train.num_steps=4", "train.save_interval=1", "eval.before_and_after=false"]
     run = out / "killed"
-    proc = subprocess.Popen(main_cmd(*overrides), cwd=REPO, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(main_cmd(*overrides, "logging.run_name=killed", f"logging.output_dir={out}",
+                                     "logging.wandb_mode=offline"),
+                            cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
     try:
@@ -151,12 +162,10 @@ def test_resume_after_kill_continues_the_same_run(tmp_path):
     done = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
     last = int(done[-1].split("_")[1])
 
-    resumed = subprocess.run(main_cmd(*overrides), cwd=REPO, capture_output=True, text=True,
-                             timeout=900)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert f"at step {last}" in resumed.stdout
+    resumed = run_main(tmp_path, *SHORT, *overrides, run_name="killed")
+    assert f"at step {last}" in resumed.output
     assert (run / "wandb_id.txt").read_text() == wandb_id  # same wandb run, resumed
-    steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "train/pg_loss" in r]
+    steps = [r["step"] for r in resumed.metrics if "rollout/raw_reward" in r]
     assert steps[-(4 - last):] == list(range(last + 1, 5))
     # Identical data order: the last record of each step matches the data source's order.
     order = {r["step"]: r["labels"] for r in read_jsonl(run / "data_order.jsonl")}

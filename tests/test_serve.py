@@ -1,20 +1,17 @@
 """The endpoint (trainer/serve.py), for real: hf engine + sglang-router + the
 authenticating proxy on loopback."""
 
-import os
-import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
+from conftest import REPO, clean_env, fake_run_dir
 from trainer.api import Endpoint, TinyQwen3
 from trainer.serve import EndpointError, choose_api_key, resolve_checkpoint, split_args
 
-ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-0123456789"
 CHAT = {"messages": [{"role": "user", "content": "You are playing a number guessing game."}],
         "max_tokens": 4}
@@ -110,10 +107,8 @@ def test_key_never_in_repr_and_generated_key_printed_once(endpoint, capsys, monk
 
 
 def test_checkpoint_resolution(tmp_path, tiny_model_path):
-    run = tmp_path / "run"
+    run = fake_run_dir(tmp_path, tiny_model_path, step=2)
     step = run / "checkpoints" / "step_000002"
-    shutil.copytree(tiny_model_path, step / "hf")
-    (run / "checkpoints" / "latest").symlink_to("step_000002")
     want = str((step / "hf").resolve())
     for p in (step, step / "hf", run, run / "checkpoints", run / "checkpoints" / "latest"):
         assert resolve_checkpoint(p) == want
@@ -127,13 +122,10 @@ def test_checkpoint_resolution(tmp_path, tiny_model_path):
 def test_serve_cli_serves_a_checkpoint(tmp_path, tiny_model_path):
     """`python -m trainer.serve checkpoint=<run dir>`: the key comes from HOMEGYM_API_KEY
     and is never printed; Ctrl-C (SIGINT) shuts everything down."""
-    run = tmp_path / "run"
-    shutil.copytree(tiny_model_path, run / "checkpoints" / "step_000001" / "hf")
-    (run / "checkpoints" / "latest").symlink_to("step_000001")
-    env = dict(os.environ, HOMEGYM_API_KEY="cli-secret-key", OMP_NUM_THREADS="1")
-    env.pop("RAY_ADDRESS", None)
+    run = fake_run_dir(tmp_path, tiny_model_path, step=1)
+    env = dict(clean_env(), HOMEGYM_API_KEY="cli-secret-key")
     proc = subprocess.Popen([sys.executable, "-m", "trainer.serve", f"checkpoint={run}", "port=0",
-                             "rollout.num_engines=1"], cwd=ROOT, env=env,
+                             "rollout.num_engines=1"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
