@@ -11,8 +11,9 @@ question into a tool call and the tool's result into its answer.
 
 ``demo_reply`` is the warm-up's scripted player: half the time it calls the tool and
 copies the result, half the time it answers straight away with a guess (almost always
-wrong). The warmed-up base therefore uses the tool in about half of its episodes; RL
-learns that the tool pays.
+wrong). The warmed-up base therefore uses the tool in about half of its episodes, and RL
+is meant to learn that the tool pays (with tiny-qwen3-tools it does not yet: the model
+learns the call format but not to copy the numbers; README, "Agents (OpenAI API)").
 
 ``CalculatorEnv`` holds the dataset (rows from a seed, train and eval from different
 seeds) and scores a direct answer when played by the built-in driver without tools.
