@@ -76,6 +76,7 @@ class DataSource:
         self._prompts: dict[int, tuple[str, list[int], Any, dict]] = {}
         self.epoch = 0
         self.offset = 0
+        self.last_row = -1
         self.next_group_index = 0
         self.next_sample_index = 0
         self._order = self._permutation(0)
@@ -189,6 +190,7 @@ class DataSource:
             self._order = self._permutation(self.epoch)
         i = int(self._order[self.offset])
         self.offset += 1
+        self.last_row = i  # with ``epoch``, the group's key in the prompt ledger
         return self.make_group(i)
 
     def all_groups(self, n: Optional[int] = None) -> list[list[Sample]]:

@@ -38,6 +38,7 @@ from envs.base import get_env_class, load_object
 from rollout import generate as gen
 from rollout.args import RolloutArgs, load_plugin
 from rollout.data import DataSource
+from rollout.ledger import Ledger, key_of
 from rollout.generate import (ABORT, EnginePolicy, Episode, GenerateState, post, run_episode,
                               sampling_params_from)
 from rollout.sample import RolloutBatch, Sample
@@ -194,6 +195,7 @@ class RolloutManagerCore:
         self.train_data = DataSource.from_config(config, "train", self.state.tokenizer)
         self._eval_data: Optional[DataSource] = None
         self.buffer: list[list[_Item]] = []  # aborted groups to continue next step
+        self.ledger = Ledger()  # where every prompt group of every epoch is
 
     @staticmethod
     def _load_filter(name: Optional[str]) -> Optional[Callable[[Any, list[Sample]], bool]]:
@@ -210,6 +212,19 @@ class RolloutManagerCore:
         return fn
 
     # ---- one sample / one group --------------------------------------------------------
+    def _draw_group(self) -> list[_Item]:
+        """A dropped group's prompt again (failed, too stale, an unused extra), else the
+        next row of the data; recorded in the ledger as in flight."""
+        key = self.ledger.next_requeued()
+        if key is None:
+            group = self.train_data.next_group()
+            key = key_of(self.train_data.epoch, self.train_data.last_row)
+        else:
+            group = self.train_data.make_group(int(key.split(":")[1]))
+            self.ledger.counts["replaced"] += 1
+        self.ledger.drawn(key, group[0].group_index)
+        return self._new_items(group)
+
     def _new_items(self, group: list[Sample]) -> list[_Item]:
         items = []
         for s in group:
@@ -349,8 +364,12 @@ class RolloutManagerCore:
                             if it.result and it.result[0].status == Status.ABORTED:
                                 it.result = None  # to continue
                         self.buffer.append(items)
-            for t in tasks:  # engines ignored the abort: give up on these groups
+                        self.ledger.buffered(_group_index(items))
+                    else:
+                        self.ledger.requeue(_group_index(items), "aborted")
+            for t, items in tasks.items():  # engines ignored the abort: give up on these
                 t.cancel()
+                self.ledger.requeue(_group_index(items), "aborted")
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 stats.aborted_groups += len(tasks)
@@ -365,11 +384,13 @@ class RolloutManagerCore:
             stats.model_tokens += sum(s.loss_mask) if s.loss_mask is not None else s.response_length
         if any(s.status == Status.FAILED for s in samples):
             stats.failed_groups += 1
+            self.ledger.requeue(_group_index(items), "failed")
             return None
         if any(it.result is None for it in items) or any(s.status == Status.ABORTED
                                                          for s in samples):
             # Aborted by someone else (e.g. a weight update): continue it later.
             self.buffer.append(items)
+            self.ledger.buffered(_group_index(items))
             stats.aborted_groups += 1
             for it in items:
                 if it.result and it.result[0].status == Status.ABORTED:
@@ -377,6 +398,7 @@ class RolloutManagerCore:
             return None
         if self.filter is not None and not self.filter(self.args, samples):
             stats.filtered_groups += 1
+            self.ledger.filtered(_group_index(items))
             return None
         return samples
 
@@ -396,9 +418,10 @@ class RolloutManagerCore:
             while len(tasks) + len(accepted) < in_flight_target and stats.launched < max_launch:
                 if self.buffer:
                     items = self.buffer.pop(0)
+                    self.ledger.resumed(_group_index(items))
                     stats.resumed += 1
                 else:
-                    items = self._new_items(self.train_data.next_group())
+                    items = self._draw_group()
                 stats.launched += 1
                 task = asyncio.create_task(self._run_group(items, sampling_params, stats))
                 tasks[task] = items
@@ -412,8 +435,12 @@ class RolloutManagerCore:
                 if samples is not None:
                     if len(accepted) < want:
                         accepted.append(samples)
+                        self.ledger.generated(samples[0].group_index)
                     elif r.partial_rollout:
                         self.buffer.append(items)  # finished extra: first in line next step
+                        self.ledger.buffered(samples[0].group_index)
+                    else:
+                        self.ledger.requeue(samples[0].group_index, "extra")
         if tasks:
             await self._drain(tasks, stats, keep=r.partial_rollout)
         if len(accepted) < want:
@@ -494,15 +521,36 @@ class RolloutManagerCore:
         metrics["perf/eval_time"] = time.perf_counter() - t0
         return {"metrics": metrics, "rows": rows}
 
+    # ---- the prompt ledger -------------------------------------------------------------
+    def mark_trained(self, group_ids: list[int]) -> None:
+        self.ledger.mark_trained(group_ids)
+
+    def requeue_groups(self, group_ids: list[int], why: str) -> None:
+        """Groups the trainer dropped (e.g. too stale): their prompts are generated again."""
+        for g in dict.fromkeys(group_ids):
+            self.ledger.requeue(g, why)
+
+    def verify_ledger(self) -> dict:
+        """Raises LedgerError unless every group so far is trained at most once and every
+        row of each completed epoch is accounted for; returns the ledger's figures."""
+        return self.ledger.verify(num_rows=len(self.train_data),
+                                  complete_epochs=self.train_data.epoch)
+
     # ---- checkpointing -----------------------------------------------------------------
     def state_dict(self) -> dict:
         # The buffer holds live episodes (environment objects included): pickled whole.
         return {"train_data": self.train_data.state_dict(),
-                "buffer": pickle.dumps(self.buffer)}
+                "buffer": pickle.dumps(self.buffer), "ledger": self.ledger.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.train_data.load_state_dict(state["train_data"])
         self.buffer = pickle.loads(state["buffer"]) if state.get("buffer") else []
+        if "ledger" in state:  # checkpoints from before the ledger have none
+            self.ledger.load_state_dict(state["ledger"])
+
+
+def _group_index(items: list[_Item]) -> int:
+    return items[0].episode.sample.group_index
 
 
 # Async methods run on the actor's event loop; the manager is one process per run.

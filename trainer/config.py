@@ -294,6 +294,11 @@ class TrainConfig:
     # On the first Ctrl-C / SIGTERM finish the current step, save, then stop (a second
     # signal stops at once). False: stop at once.
     save_on_interrupt: bool = True
+    # A training step (rollout, train, weight push, checkpoint, evaluation) that makes no
+    # progress for this long is a hang: the stacks of the driver, every actor and every
+    # engine server are dumped (py-spy) into <run dir>/hang/, and the run fails naming the
+    # actor call that is stuck (trainer/watchdog.py). null: no watchdog.
+    hang_timeout_s: Optional[float] = 1800.0
     weight_bucket_mb: int = 64  # weight sync bucket size
     # How weights reach the engines: auto | tensor (handles to the ranks' buckets: CUDA
     # IPC / shared memory) | distributed (broadcast over a process group) | disk (files
@@ -340,6 +345,8 @@ class TrainConfig:
         _check(self.lr >= 0, "train.lr", "must be >= 0")
         _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         _check(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
+        if self.hang_timeout_s is not None:
+            _check(self.hang_timeout_s > 0, "train.hang_timeout_s", "must be > 0 (or null)")
         if self.save_interval is not None:
             _check(self.save_interval >= 1, "train.save_interval", "must be >= 1")
         if self.sequence_parallel:

@@ -33,6 +33,7 @@ from trainer.metrics import MetricsLogger, redact, timed, write_json
 from trainer.models import resolve_model_path
 from trainer.report import EVAL_COLUMNS, format_eval_table, terminal_eval_table, write_curves
 from trainer.runtime import Runtime
+from trainer.watchdog import HangError, Watchdog
 
 log = logging.getLogger("homegym")
 
@@ -91,6 +92,7 @@ class Driver:
         self.logger = MetricsLogger(cfg, self.run_dir, total_steps=cfg.train.num_steps)
         self.rt.defer_stop = cfg.train.save_on_interrupt
         metrics: dict[str, float] = {}
+        watchdog = None
         try:
             if start_step == 0:
                 if cfg.warmup.steps > 0:
@@ -102,7 +104,9 @@ class Driver:
                 if cfg.eval.before_and_after:
                     self.evaluate("base", step=0)
             steps = self.colocated_steps if cfg.cluster.colocate else self.async_steps
+            watchdog = Watchdog(cfg.train.hang_timeout_s, self.run_dir)
             for step, metrics in steps(start_step):
+                watchdog.kick(f"step {step}")
                 self.logger.log(step, metrics)
                 saved = bool(cfg.train.save_interval and step % cfg.train.save_interval == 0)
                 if saved:
@@ -112,6 +116,7 @@ class Driver:
                 if self.rt.stop_requested:  # Ctrl-C / SIGTERM: keep this step, then stop
                     if not saved:
                         self.save(step)
+                    self.write_ledger()
                     print(f"stopped after step {step}; resume with "
                           f"logging.run_name={self.run_dir.name}", flush=True)
                     return RunResult(run_dir=self.run_dir, steps=step, evals=self.evals,
@@ -120,11 +125,18 @@ class Driver:
             if start_step < last and not (cfg.train.save_interval
                                           and last % cfg.train.save_interval == 0):
                 self.save(last)
+            self.write_ledger()
             if cfg.eval.before_and_after:
                 self.evaluate("trained", step=last)
             if self.evals:
                 self.write_eval_table()
+        except Exception as err:
+            if watchdog is not None and watchdog.message:  # it ended the stuck call
+                raise HangError(watchdog.message) from err
+            raise
         finally:
+            if watchdog is not None:
+                watchdog.close()
             self.logger.close()
             write_curves(self.run_dir)
         return RunResult(run_dir=self.run_dir, steps=cfg.train.num_steps, evals=self.evals,
@@ -138,20 +150,24 @@ class Driver:
             with timed(metrics, "perf/step_time"):
                 # A dead engine is restarted and given the current weights before and after
                 # generation (the router already moved its in-flight requests elsewhere).
-                metrics.update(rt.recover_engines(self.policy_version))
+                self.recover_engines(metrics)
                 with timed(metrics, "perf/rollout_time"):
                     batch = ray.get(rt.manager.generate.remote(step))
-                metrics.update(rt.recover_engines(self.policy_version))
+                self.recover_engines(metrics)
                 if len(batch):
-                    rt.engines.release_memory()
+                    self.with_recovery(rt.engines.release_memory, metrics)
                     rt.train_group.onload()
                     metrics.update(self.train(step, batch))
                     rt.train_group.offload()
-                    # Weights first, then the push, then the KV cache and CUDA graphs: the
-                    # push never competes with the KV cache for the memory training freed.
-                    rt.engines.resume_memory(["weights"])
-                    metrics.update(self.push_weights(step))
-                    rt.engines.resume_memory(["kv_cache", "cuda_graph"])
+
+                    def update() -> dict[str, float]:
+                        # Weights first, then the push, then the KV cache and CUDA graphs:
+                        # the push never competes with the KV cache for the memory freed.
+                        rt.engines.resume_memory(["weights"])
+                        pushed = self.push_weights(step)
+                        rt.engines.resume_memory(["kv_cache", "cuda_graph"])
+                        return pushed
+                    metrics.update(self.with_recovery(update, metrics))
             yield step, {**batch.metrics, **metrics}
 
     def async_steps(self, start_step: int) -> Iterator[tuple[int, dict[str, float]]]:
@@ -171,20 +187,37 @@ class Driver:
                     with timed(metrics, "perf/trainer_wait_time"):
                         batch, gen_metrics = pipeline.take(step)
                     metrics.update(gen_metrics)
+                    generated = batch.group_ids
                     batch, stale = filter_stale(batch, version=version,
                                                 max_staleness=cfg.algo.max_staleness,
                                                 drop=cfg.algo.stale_policy == "drop")
                     metrics.update(stale)
+                    dropped = sorted(set(generated) - set(batch.group_ids))
+                    if dropped:  # generated again from their prompts, on a newer policy
+                        ray.get(rt.manager.requeue_groups.remote(dropped, "stale"))
                     if len(batch):
                         metrics.update(self.train(step, batch))
                         pause = "in_place" if cfg.rollout.update_in_flight == "pause" else "abort"
-                        rt.engines.pause_generation(mode=pause)
-                        metrics.update(self.push_weights(step))
-                        rt.engines.continue_generation()
+
+                        def update() -> dict[str, float]:
+                            rt.engines.pause_generation(mode=pause)
+                            pushed = self.push_weights(step)
+                            rt.engines.continue_generation()
+                            return pushed
+                        # Engines that died while generating come back on the current
+                        # policy (their requests went to the others), then all are updated.
+                        self.recover_engines(metrics)
+                        metrics.update(self.with_recovery(update, metrics))
                     version = step
                 yield step, {**batch.metrics, **metrics}
-        finally:
+        except BaseException:
+            # Do not wait for a generation in flight: after a failed update it may wait on
+            # a paused engine for ever. Tearing the manager down ends it.
+            pipeline.close(wait=False)
+            raise
+        else:
             pipeline.close()
+        finally:
             self._pipeline = None
 
     def push_weights(self, version: int) -> dict[str, float]:
@@ -192,12 +225,45 @@ class Driver:
         self.policy_version = version
         return metrics
 
+    def recover_engines(self, metrics: dict[str, float]) -> None:
+        """Restart dead engines on the current policy; counts into ``metrics``."""
+        out = self.rt.recover_engines(self.policy_version)
+        metrics["rollout/engine_restarts"] = out["rollout/engine_restarts"]
+        metrics["rollout/engines_restarted_now"] = (
+            metrics.get("rollout/engines_restarted_now", 0.0) + out["rollout/engines_restarted_now"])
+
+    def with_recovery(self, phase, metrics: dict[str, float]) -> dict[str, float]:
+        """Run ``phase``, engine calls that need every engine (release, pause, push). If it
+        fails and an engine is found dead, restart the dead ones and run the phase once
+        more, whole: repeating a whole phase is safe where repeating one of its requests
+        (a weight update that may have half-applied) is not."""
+        from rollout.engines.client import EngineError
+        from trainer.weights import WeightSyncError
+
+        try:
+            return phase() or {}
+        except (EngineError, WeightSyncError) as err:
+            if not self.rt.engines.find_dead():
+                raise
+            log.warning("an engine died during %s (%s): restarting it, then again",
+                        getattr(phase, "__name__", "a phase"), err)
+        self.recover_engines(metrics)
+        return phase() or {}
+
     def train(self, step: int, batch) -> dict[str, float]:
         metrics: dict[str, float] = {}
         with timed(metrics, "perf/train_time"):
             metrics.update(self.rt.train_group.train_step(batch))
+        ray.get(self.rt.manager.mark_trained.remote(batch.group_ids))  # the prompt ledger
         self._record_data_order(step, batch)
         return metrics
+
+    def write_ledger(self) -> dict[str, float]:
+        """Check the prompt ledger (every group trained at most once, every row of each
+        completed epoch accounted for) and write its figures to ledger.json."""
+        summary = ray.get(self.rt.manager.verify_ledger.remote())
+        write_json(self.run_dir / "ledger.json", summary)
+        return summary
 
     def _record_data_order(self, step: int, batch) -> None:
         """One line per step: the group labels trained on, in order (resume checks use it)."""
@@ -353,8 +419,8 @@ class RolloutPipeline:
         assert queued == step, (queued, step)
         return future.result()
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        self._executor.shutdown(wait=wait, cancel_futures=True)
 
 
 def filter_stale(batch, *, version: int, max_staleness: int, drop: bool):
@@ -365,6 +431,8 @@ def filter_stale(batch, *, version: int, max_staleness: int, drop: bool):
     staleness = [version - v if v >= 0 else 0 for v in batch.weight_versions]
     metrics = {f"async/staleness_{d}": float(staleness.count(d)) for d in sorted(set(staleness))}
     metrics["async/max_staleness"] = float(max(staleness, default=0))
+    # From an engine on no pushed policy (a restarted one serving its start-up weights).
+    metrics["async/unversioned_samples"] = float(sum(v < 0 for v in batch.weight_versions))
     stale_groups = {g for g, d in zip(batch.group_ids, staleness) if d > max_staleness}
     metrics["async/stale_samples"] = float(sum(g in stale_groups for g in batch.group_ids))
     if not drop or not stale_groups:

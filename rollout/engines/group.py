@@ -337,12 +337,17 @@ class EngineGroup(_FanOut):
                 except Exception as err:  # the actor cannot restart its server: replace it
                     log.warning("engine %d: restart failed (%s); re-creating its actor", index, err)
                     url = self._respawn(index)
-            self.router.add_worker(url)
             self._set_url(index, url)
-        if dead and push_weights is not None:
-            indices = sorted(dead)
-            push_weights(EngineView([self.clients[i] for i in indices],
-                                    [self.tp_sizes[i] for i in indices], indices))
+        indices = sorted(dead)
+        try:
+            # Weights before traffic: while other engines keep generating (async mode),
+            # a restarted engine joins the router only once it serves the current policy.
+            if dead and push_weights is not None:
+                push_weights(EngineView([self.clients[i] for i in indices],
+                                        [self.tp_sizes[i] for i in indices], indices))
+        finally:
+            for i in indices:
+                self.router.add_worker(self.urls[i])
         self.restarts += len(dead)
         return {"rollout/engine_restarts": float(self.restarts),
                 "rollout/engines_restarted_now": float(len(dead))}
