@@ -294,34 +294,41 @@ class _TensorSender(_Sender):
         self.sources = [[source_rank(e, k, tp[e], world_size) for k in range(tp[e])]
                         for e in range(len(tp))]
         self.gather = any(len(set(s)) > 1 for s in self.sources)
-        self.serves = any(rank in s for s in self.sources)
         self.buckets_sent = 0
         super().__init__(plan, [e for e, s in enumerate(self.sources) if s[0] == rank])
 
     def send(self, bucket, version: Optional[int]) -> None:
         # Serializing shares the bucket's storage (CUDA IPC, or /dev/shm on CPU): only the
-        # ranks that serve an engine pay for it. CPU buckets go through this rank's reused
-        # /dev/shm buffers (the server-side loaders of SGLang-CPU read plain lists).
-        payload, load_format = None, None
-        if self.serves:
-            if not self.plan.loaders and all(t.device.type == "cpu" for _, t in bucket):
-                staged = _STAGING.flatten(self.buckets_sent, bucket)
-                payload = MultiprocessingSerializer.serialize(staged, output_str=True)
-                load_format = FLATTENED_BUCKET
-            else:
-                (payload,), load_format = serialize_for_sglang(bucket)
+        # ranks that serve an engine pay for it. One pickle per receiving engine TP rank:
+        # each pickle holds one reference to the shared storage, which its receiver drops,
+        # so a payload opened by two engines would free the storage under the second.
+        # CPU buckets go through this rank's reused /dev/shm buffers (SGLang-CPU's
+        # server-side loaders read plain lists instead).
+        mine = [(e, k) for e, ranks in enumerate(self.sources)
+                for k, r in enumerate(ranks) if r == self.rank]
+        staged = (_STAGING.flatten(self.buckets_sent, bucket)
+                  if mine and not self.plan.loaders
+                  and all(t.device.type == "cpu" for _, t in bucket) else None)
         self.buckets_sent += 1
+        load_format = FLATTENED_BUCKET if staged is not None else None
+        payloads = {}
+        for slot in mine:
+            if staged is not None:
+                payloads[slot] = MultiprocessingSerializer.serialize(staged, output_str=True)
+            else:
+                (payloads[slot],), load_format = serialize_for_sglang(bucket)
         if self.gather:  # an engine's TP ranks are served by several training ranks
             import torch.distributed as dist
 
-            payloads: list = [None] * self.world_size
-            dist.all_gather_object(payloads, payload)
-        else:
-            payloads = [payload] * self.world_size
+            gathered: list = [None] * self.world_size
+            dist.all_gather_object(gathered, (payloads, load_format))
+            payloads = {slot: p for part, _ in gathered for slot, p in part.items()}
+            load_format = next(fmt for part, fmt in gathered if part)
         if self.plan.loaders:  # the version goes with the final re-pack
             load_format, version = self.plan.loaders[0], None
         self._each(lambda e, c: c.update_weights_from_tensor(
-            [payloads[r] for r in self.sources[e]], load_format=load_format, version=version))
+            [payloads[(e, k)] for k in range(len(self.sources[e]))],
+            load_format=load_format, version=version))
 
 
 class _BroadcastSender(_Sender):
