@@ -224,3 +224,20 @@ def test_lora_run_end_to_end_checkpoint_serves_and_evaluates(ray_local, tmp_path
     (result,) = results.values()
     assert result["model_path"] == str(ckpt.resolve() / "hf")
     assert "eval/success_rate" in result["metrics"]
+
+
+def test_memory_plan_counts_adapter_grads_and_optimizer_only():
+    """The GPU start-up plan: with LoRA, grads and Adam moments are the adapters' and the
+    KL reference takes no memory (it is the policy with adapters off)."""
+    from test_memory_plan import TOY, toy_plan
+
+    full = toy_plan("train.backend=fsdp", "algo.kl_coef=0.1").phase("training")
+    lora = toy_plan("train.backend=fsdp", "algo.kl_coef=0.1", "train.lora.rank=4",
+                    "train.lora.target_modules=[q_proj,down_proj]").phase("training")
+    # Per layer: q_proj 64 -> 4 x 16, down_proj 128 -> 64; two layers, sharded over 2 ranks.
+    adapters = 2 * 4 * ((64 + 64) + (128 + 64))
+    assert TOY.lora_params(4, ["q_proj", "down_proj"]) == adapters
+    assert lora.get("grads") == 4 * adapters / 2
+    assert lora.get("optimizer: Adam moments") == 8 * adapters / 2
+    assert lora.get("weights") == full.get("weights")  # the frozen base is still held
+    assert full.get("reference model") > 0 and lora.get("reference model") == 0

@@ -208,6 +208,16 @@ class ModelArch:
     def layer_params(self) -> int:
         return self.layer_matrix_params() + self.layer_norm_params()
 
+    def lora_params(self, rank: int, target_modules) -> int:
+        """Parameters of rank-``rank`` LoRA adapters (A: r x in, B: out x r) on the named
+        projections of every layer."""
+        h, hd, i = self.hidden_size, self.head_dim, self.intermediate_size
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        per_layer = sum(rank * (dims[m][0] + dims[m][1]) for m in target_modules if m in dims)
+        return self.num_layers * per_layer
+
     def num_params(self) -> int:
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
@@ -566,9 +576,14 @@ def _trainer(config, arch: ModelArch) -> _Trainer:
         params = arch.num_params()
         items.append(Item("weights", 4 * params / world,
                           f"fp32 master, {_count(params)} params / {world} ranks (FSDP)"))
-        items.append(Item("grads", 4 * params / world, f"fp32 / {world}"))
-        items.append(Item("optimizer: Adam moments", 8 * params / world, f"fp32 / {world}"))
-        if kl:
+        lora = train.lora
+        # LoRA: gradients and Adam moments of the adapters only; the KL reference is the
+        # policy with its adapters off, no second copy.
+        trained = arch.lora_params(lora.rank, lora.target_modules) if lora.enabled else params
+        what = f"LoRA r{lora.rank}: {_count(trained)} params, " if lora.enabled else ""
+        items.append(Item("grads", 4 * trained / world, f"{what}fp32 / {world}"))
+        items.append(Item("optimizer: Adam moments", 8 * trained / world, f"{what}fp32 / {world}"))
+        if kl and not lora.enabled:
             items.append(Item("reference model", wbytes * params / world, f"{model.dtype} / {world}"))
         root = V * h * (1 if arch.tie_word_embeddings else 2) + h
         items.append(Item("gathered params", wbytes * (root + 2 * arch.layer_params()),
