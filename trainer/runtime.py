@@ -118,9 +118,10 @@ class Runtime:
         from trainer.train_group import TrainGroup
         from trainer.weights import WeightSync
 
-        self._install_signal_handlers()
         try:
             self._started_ray = connect_ray(self.config)
+            # After ray.init, which installs a SIGTERM handler of its own in the driver.
+            self._install_signal_handlers()
             self.placement = Placement(self.config)
             _progress(f"starting {self.config.num_engines} {self.config.rollout.engine} engines")
             self.engines = EngineGroup(self.config, self.placement,
