@@ -47,11 +47,7 @@ def test_api_key_is_required_and_enforced(endpoint):
 
 @pytest.mark.parametrize("method,route,body", [
     ("get", "/v1/models", None),
-    pytest.param("post", "/v1/completions", {"prompt": "You are playing", "max_tokens": 3,
-                                             "temperature": 0},
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "README lists /v1/completions, but the CPU engine (rollout/engines/hf/"
-                     "server.py) has no such route: it answers 404 through the endpoint"))),
+    ("post", "/v1/completions", {"prompt": "You are playing", "max_tokens": 3, "temperature": 0}),
     ("post", "/generate", {"text": "You are playing", "sampling_params": {"max_new_tokens": 3}}),
 ])
 def test_every_public_route_serves_with_the_key_only(endpoint, method, route, body):

@@ -100,7 +100,8 @@ def _num(params: dict, key: str, default, kind=float, lo=None, hi=None, lo_open=
 def routes(contract_version: str) -> list[tuple[str, str, str]]:
     """(method, path, handler) of every route served under ``contract_version``: the
     routes and methods of that SGLang version (tests/test_sglang_contract.py checks)."""
-    table = [("POST", "/generate", "generate"), ("POST", "/v1/chat/completions", "chat_completions")]
+    table = [("POST", "/generate", "generate"), ("POST", "/v1/chat/completions", "chat_completions"),
+             ("POST", "/v1/completions", "completions")]
     for path, handler in [("/health", "health"), ("/health_generate", "health_generate"),
                           ("/get_model_info", "model_info"), ("/model_info", "model_info"),
                           ("/get_server_info", "server_info"), ("/server_info", "server_info"),
@@ -367,14 +368,11 @@ class Server:
         return _json(out if (batch or len(out) > 1) else out[0])
 
     async def chat_completions(self, request: web.Request) -> web.Response:
-        t0 = time.perf_counter()
         body = await _body(request)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and "role" in m for m in messages):
             raise BadRequest("messages must be a non-empty list of {role, content} objects")
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported by the hf engine")
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise BadRequest("chat_template_kwargs must be an object")
@@ -383,6 +381,20 @@ class Server:
                                                         add_generation_prompt=True, **kwargs)
         except Exception as exc:
             raise BadRequest(f"could not apply the chat template: {exc}") from None
+        return await self._openai_completion(body, prompt, chat=True)
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise BadRequest("prompt must be a string (token-id and batched prompts: use /generate)")
+        return await self._openai_completion(body, prompt, chat=False)
+
+    async def _openai_completion(self, body: dict, prompt: str, *, chat: bool) -> web.Response:
+        """OpenAI's chat.completion / text_completion for one rendered prompt."""
+        t0 = time.perf_counter()
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by the hf engine")
         ids = self._prompt_ids(None, self.tokenizer.encode(prompt, add_special_tokens=False))
         sp = {k: body[k] for k in ("temperature", "top_p", "top_k", "n", "stop", "seed")
               if body.get(k) is not None}
@@ -397,10 +409,16 @@ class Server:
         choices = []
         for k, r in enumerate(reqs):
             kind = r.finish_reason["type"]
-            choices.append({"index": k, "message": {"role": "assistant", "content": self._text(r)},
-                            "finish_reason": {"stop": "stop", "length": "length"}.get(kind, kind)})
+            choice = {"index": k, "finish_reason": {"stop": "stop", "length": "length"}.get(kind, kind)}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": self._text(r)}
+            else:
+                choice.update(text=self._text(r), logprobs=None)
+            choices.append(choice)
         completion = sum(len(r.output_ids) for r in reqs)
-        return _json({"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
+        return _json({"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
+                      "object": "chat.completion" if chat else "text_completion",
+                      "created": int(time.time()),
                       "model": body.get("model") or self.model_path, "choices": choices,
                       "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
                                 "total_tokens": len(ids) + completion},
