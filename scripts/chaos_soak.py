@@ -161,7 +161,9 @@ MODES = {
 BASE = ["rollout.num_engines=2", "train.ranks_per_node=1", "warmup.steps=0",
         "eval.before_and_after=false", "rollout.rollout_batch_size=2",
         "rollout.n_samples_per_prompt=4", "train.save_interval=2", "train.resume=auto",
-        "train.hang_timeout_s=300"]
+        "train.hang_timeout_s=300",
+        # Long enough responses that a step lasts seconds: a fault lands inside a step.
+        "rollout.max_response_len=32"]
 
 
 @dataclass
@@ -177,6 +179,8 @@ class Figures:
     ledger: dict = field(default_factory=dict)
     wall_s: float = 0.0
     reference_wall_s: Optional[float] = None
+    sigterm_outcome: str = ""
+    events: list = field(default_factory=list)
 
     def report(self) -> str:
         requeued = {k.removeprefix("ledger/requeued_"): v for k, v in sorted(self.ledger.items())
@@ -190,7 +194,9 @@ class Figures:
         return "\n".join([
             f"chaos soak [{self.mode}], {self.steps} steps, {self.launches} launches",
             f"  faults injected: {self.engine_kills} engine kills, {self.rank_kills} training-rank "
-            f"kills (crash, resumed), {self.sigterms} SIGTERM (stopped, resumed)",
+            f"kills (crash, resumed), {self.sigterms} SIGTERM ({self.sigterm_outcome or '-'}; "
+            f"resumed)",
+            f"  when: {'; '.join(self.events) or '-'}",
             f"  engine restarts: {self.engine_restarts:.0f}; requests retried: "
             f"{self.request_retries:.0f}",
             f"  groups dropped and generated again: {sum(requeued.values()):.0f} ({why}); "
@@ -249,7 +255,11 @@ def soak(out_dir: Path, mode: str, *, steps: int, engine_kills: int, kill_rank_a
     run_dir = out_dir / name
     # Engine kills at random steps (a random moment inside them: the kill waits a random
     # fraction of a step after the step is seen), away from the rank kill and the SIGTERM.
-    kill_steps = sorted(rng.sample(range(1, steps), k=min(engine_kills, steps - 1)))
+    # Not in the step of (or before) the rank kill or the SIGTERM, nor the last ones: the
+    # run must live long enough after an engine kill to notice and restart it.
+    busy = {s for at in (kill_rank_at, sigterm_at) if at is not None for s in (at - 1, at)}
+    candidates = [s for s in range(1, steps - 1) if s not in busy]
+    kill_steps = sorted(rng.sample(candidates, k=min(engine_kills, len(candidates))))
     t0 = time.monotonic()
     done = False
     while not done:
@@ -257,6 +267,7 @@ def soak(out_dir: Path, mode: str, *, steps: int, engine_kills: int, kill_rank_a
         figures.launches += 1
         stop = threading.Event()
         injected: list[str] = []
+        last_engine_kill = [-10]
 
         def inject() -> None:
             pid = run.proc.pid
@@ -264,12 +275,19 @@ def soak(out_dir: Path, mode: str, *, steps: int, engine_kills: int, kill_rank_a
                 step = steps_logged(run_dir)
                 if kill_steps and step >= kill_steps[0]:
                     kill_steps.pop(0)
-                    time.sleep(rng.uniform(0.0, 2.0))
+                    time.sleep(rng.uniform(0.0, 0.5))
                     servers = engine_servers(pid, run_dir)
                     if servers:
                         rng.choice(servers).send_signal(signal.SIGKILL)
                         figures.engine_kills += 1
                         injected.append("engine")
+                        figures.events.append(f"engine killed in step {step + 1}")
+                        last_engine_kill[0] = step
+                    continue
+                # The run must get to restart a killed engine before it crashes or stops.
+                if step < last_engine_kill[0] + 2:
+                    time.sleep(0.2)
+                    continue
                 if kill_rank_at is not None and figures.rank_kills == 0 and step >= kill_rank_at:
                     time.sleep(rng.uniform(0.0, 1.0))
                     ranks = training_ranks(pid)
@@ -277,11 +295,13 @@ def soak(out_dir: Path, mode: str, *, steps: int, engine_kills: int, kill_rank_a
                         ranks[0].send_signal(signal.SIGKILL)
                         figures.rank_kills += 1
                         injected.append("rank")
+                        figures.events.append(f"training rank killed in step {step + 1}")
                         return
                 if sigterm_at is not None and figures.sigterms == 0 and step >= sigterm_at:
                     run.proc.send_signal(signal.SIGTERM)
                     figures.sigterms += 1
                     injected.append("sigterm")
+                    figures.events.append(f"SIGTERM in step {step + 1}")
                     return
                 time.sleep(0.2)
 
@@ -291,7 +311,10 @@ def soak(out_dir: Path, mode: str, *, steps: int, engine_kills: int, kill_rank_a
         stop.set()
         injector.join(10)
         finished = "stopped after step" not in run.tail(3000) and code == 0
-        if code != 0 and "rank" not in injected:
+        if "sigterm" in injected:
+            figures.sigterm_outcome = ("stopped after the step, saved" if code == 0
+                                       else f"driver exited {code}")
+        if code != 0 and not {"rank", "sigterm"} & set(injected):
             raise RuntimeError(f"{name}: trainer.main exited {code} without an injected "
                                f"crash:\n{run.tail()}")
         if code != 0:
