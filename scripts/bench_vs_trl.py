@@ -83,7 +83,7 @@ def warm_model(args) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rollout.demos import make_demos
-    from trainer.api import compose_config
+    from trainer.compose import compose_config
     from trainer.models import resolve_model_path
 
     torch.set_num_threads(1)
@@ -141,7 +141,7 @@ def run_homegym(args, model_path: str, task: str, out: Path, *, overlap: bool = 
 
     threads = 1 if overlap else args.threads
     torch.set_num_threads(threads)
-    from trainer.api import compose_config
+    from trainer.compose import compose_config
     from trainer.loop import train
 
     run_name = f"homegym{'_async' if overlap else ''}-{task}"
@@ -387,7 +387,7 @@ def run_limit(args, model_path: str, task: str, out: Path, ref: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
     from rollout.demos import make_demos
-    from trainer.api import compose_config
+    from trainer.compose import compose_config
 
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(model_path)

@@ -5,7 +5,7 @@
     python scripts/memory_plan.py +recipe=qwen_8b --gpu H200        # or --gpu-memory-gib 141
 
 Arguments are Hydra overrides, composed exactly as ``python -m trainer.main`` composes them
-(``trainer.api.compose_config``). ``--gpu`` / ``--gpu-memory-gib`` set the GPU for this plan
+(``trainer.compose.compose_config``). ``--gpu`` / ``--gpu-memory-gib`` set the GPU for this plan
 (the same as ``cluster.gpu_type`` / ``cluster.gpu_memory_gib`` where the config has them).
 Exit status: 0 when the layout fits, 1 when it does not (the start-up check would refuse
 it, with the message printed last), 2 for a config error.
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +recipe=qwen_4b")
     args = parser.parse_args(argv)
 
-    from trainer.api import compose_config
+    from trainer.compose import compose_config
     from trainer.memory_plan import plan_memory
 
     try:

@@ -187,14 +187,11 @@ def no_leaked_actors_or_servers_per_module(request):
 
 
 def compose_config(*overrides):
-    """The run config exactly as `python -m trainer.main OVERRIDES` composes it."""
-    from hydra import compose, initialize_config_dir
+    """The run config as `python -m trainer.main OVERRIDES` composes it (homegym's one
+    composition, trainer.compose)."""
+    from trainer.compose import compose_config
 
-    from trainer.config import build_config
-    from trainer.main import CONF_DIR
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return build_config(compose(config_name="config", overrides=list(overrides)))
+    return compose_config(overrides)
 
 
 def read_jsonl(path):

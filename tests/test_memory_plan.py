@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import REPO
-from trainer.api import compose_config
+from trainer.compose import compose_config
 from trainer.config import ConfigError
 from trainer.memory_plan import (BUILTIN_ARCHS, ENGINE_CONTEXT_GIB, GiB, MemoryPlanError, MiB,
                                  ModelArch, TRAIN_CONTEXT_GIB, TRAIN_NCCL_GIB, check_memory,

@@ -37,9 +37,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import OmegaConf
 
-from trainer.config import ConfigError, HomegymConfig, build_config, register_schema
+from trainer.compose import compose_config
+from trainer.config import ConfigError, HomegymConfig
 from trainer.preflight import preflight
 
 __all__ = [
@@ -48,48 +49,9 @@ __all__ = [
     "TrainConfig", "Run", "Endpoint", "compose_config", "ship_function",
 ]
 
-_HYDRA_LOCK = threading.Lock()
 
 
 # ======================================================================= config compose
-def compose_config(overrides: Sequence[str] = (), values: Optional[dict] = None) -> HomegymConfig:
-    """``conf/`` composed with Hydra overrides (as on the command line), then ``values`` (a
-    nested dict of typed field values, merged onto the schema), then ``build_config``."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from trainer.main import CONF_DIR
-
-    register_schema()
-    with _HYDRA_LOCK:
-        if GlobalHydra.instance().is_initialized():
-            GlobalHydra.instance().clear()
-        try:
-            with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-                cfg = compose(config_name="config", overrides=list(overrides))
-            if values:
-                _check_keys(cfg, values)
-                with open_dict(cfg):  # free-form dicts (extra_config, ...) take new keys
-                    cfg = OmegaConf.merge(cfg, OmegaConf.create(values))
-        except (HydraException, OmegaConfBaseException) as err:
-            raise ConfigError(" ".join(line.strip() for line in str(err).splitlines() if line.strip()) or repr(err)) from err
-    return build_config(cfg)
-
-
-def _check_keys(cfg: DictConfig, values: dict, prefix: str = "") -> None:
-    """Every key of ``values`` must exist in the schema (free-form dicts take any key)."""
-    for key, value in values.items():
-        full = f"{prefix}{key}"
-        if key not in cfg:
-            raise ConfigError(f"{full}: no such config key")
-        node = cfg._get_node(key)
-        if isinstance(value, dict) and isinstance(node, DictConfig) and \
-                node._metadata.object_type not in (None, dict):
-            _check_keys(node, value, full + ".")
-
-
 def _set(tree: dict, dotted: str, value: Any) -> None:
     *parents, last = dotted.split(".")
     for p in parents:

@@ -49,7 +49,7 @@ def evaluate_models(specs: Sequence[str], overrides: Sequence[str] = (),
 
     from rollout.engines.group import EngineGroup
     from rollout.manager import RolloutManager
-    from trainer.api import compose_config
+    from trainer.compose import compose_config
     from trainer.runtime import connect_ray
     from trainer.serve import resolve_checkpoint
 
@@ -104,7 +104,7 @@ def write_results(results: dict[str, dict[str, Any]], out: Path) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from trainer.api import compose_config
+    from trainer.compose import compose_config
     from trainer.config import ConfigError
     from trainer.serve import split_args
 

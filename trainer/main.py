@@ -8,15 +8,13 @@ CPU default (number_guess_cpu) runs.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Optional
 
 import hydra
 from omegaconf import DictConfig
 
+from trainer.compose import CONF_DIR
 from trainer.config import ConfigError, HomegymConfig, build_config, register_schema
-
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 register_schema()
 

@@ -281,7 +281,7 @@ class Endpoint:
         use SGLang). Ray: the current cluster, else a local one that stays up for the rest
         of the process (so training and further endpoints reuse it) unless ``own_ray``."""
         from rollout.engines.group import EngineGroup
-        from trainer.api import compose_config
+        from trainer.compose import compose_config
         from trainer.runtime import connect_ray
 
         hydra_overrides, values = _model_overrides(model, checkpoint)
