@@ -168,7 +168,7 @@ class GenerateState:
     def _init(self, args: Any) -> None:
         from transformers import AutoTokenizer
 
-        from trainer.models import resolve_model_path
+        from rollout.models import resolve_model_path
 
         cfg = args.config
         self.args = args

@@ -142,7 +142,7 @@ def forward_bound(model, prompts: list[list[int]], new_tokens: int, pad_id: int,
     from rollout.engines.hf import lean
     from rollout.engines.hf.batcher import draw
     from rollout.engines.hf.fast_kernels import GrowingLayer
-    from trainer.models import cache_kwarg
+    from rollout.models import cache_kwarg
 
     b = len(prompts)
     kw = cache_kwarg(model)
@@ -257,7 +257,7 @@ def main() -> None:
 
     from rollout.engines import HFLaunch, SGLangLaunch
     from rollout.engines.hf import fast_kernels
-    from trainer.models import resolve_model_path
+    from rollout.models import resolve_model_path
 
     path = resolve_model_path(args.model)
     tok = AutoTokenizer.from_pretrained(path)

@@ -67,7 +67,7 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from trainer.models import resolve_model_path
+    from rollout.models import resolve_model_path
 
     path = resolve_model_path(args.model)
     vocab = AutoConfig.from_pretrained(path).vocab_size

@@ -57,7 +57,7 @@ def main() -> None:
     from train_batches import make_batch
     from trainer.backends.lora import save_adapter
     from trainer.config import build_config
-    from trainer.models import resolve_model_path
+    from rollout.models import resolve_model_path
     from trainer.placement import Placement
     from trainer.runtime import connect_ray
     from trainer.train_group import TrainGroup

@@ -84,7 +84,7 @@ def warm_model(args) -> str:
 
     from rollout.demos import make_demos
     from trainer.compose import compose_config
-    from trainer.models import resolve_model_path
+    from rollout.models import resolve_model_path
 
     torch.set_num_threads(1)
     src = resolve_model_path(args.model, None)

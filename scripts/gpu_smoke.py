@@ -230,7 +230,7 @@ def parent(args) -> int:
           f"workdir={workdir}", flush=True)
 
     def model():
-        from trainer.models import resolve_model_path
+        from rollout.models import resolve_model_path
 
         cache = os.environ.get("HOMEGYM_CACHE")
         path = resolve_model_path("tiny-qwen3", os.path.join(cache, "models") if cache

@@ -6,7 +6,7 @@
 
 import argparse
 
-from trainer.models import BUILTIN_MODELS, resolve_model_path
+from rollout.models import BUILTIN_MODELS, resolve_model_path
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
-    from trainer.models import resolve_model_path
+    from rollout.models import resolve_model_path
 
     return resolve_model_path("tiny-qwen3")
 

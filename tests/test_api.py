@@ -157,7 +157,7 @@ def test_seed_example_runs_end_to_end(tmp_path):
     # the second evaluation loaded is not the base's weights.
     from safetensors.torch import load_file
 
-    from trainer.models import resolve_model_path
+    from rollout.models import resolve_model_path
 
     trained = load_file(str(Path(summary["checkpoint"]) / "hf" / "model.safetensors"))
     base = load_file(str(Path(resolve_model_path("tiny-qwen3")) / "model.safetensors"))

@@ -8,7 +8,7 @@ import requests
 import torch
 
 from conftest import push_tensors, wait_for
-from trainer.models import cache_kwarg
+from rollout.models import cache_kwarg
 from rollout.engines import (PINNED_SGLANG_VERSION, EngineError, EngineServer, HFLaunch,
                              MultiprocessingSerializer)
 from rollout.engines.weights_io import init_custom_process_group
@@ -625,7 +625,7 @@ def test_lean_forward_logprobs_on_smollm2_match_a_fresh_forward():
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from rollout.engines.hf import fast_kernels, lean
-    from trainer.models import resolve_model_path
+    from rollout.models import resolve_model_path
 
     path = resolve_model_path("smollm2-135m")
     plain = AutoModelForCausalLM.from_pretrained(path).eval()

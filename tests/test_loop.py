@@ -133,7 +133,7 @@ def expected_data_order(config, num_steps):
     from transformers import AutoTokenizer
 
     from rollout.data import DataSource
-    from trainer.models import resolve_model_path
+    from rollout.models import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(config.model.path))
     data = DataSource.from_config(config, "train", tok)

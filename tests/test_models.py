@@ -6,8 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer.config import ConfigError
-from trainer.models import resolve_model_path
+from rollout.models import ModelPathError, resolve_model_path
 
 
 def test_tiny_model_is_a_normal_hf_checkpoint(tiny_model_path):
@@ -43,12 +42,12 @@ def test_local_directory_is_used_as_is(tiny_model_path):
 
 
 def test_hub_name_needs_a_local_path():
-    with pytest.raises(ConfigError, match="never downloads from a model hub"):
+    with pytest.raises(ModelPathError, match="never downloads from a model hub"):
         resolve_model_path("Qwen/Qwen3-4B")
 
 
 def test_directory_without_config_is_rejected(tmp_path):
-    with pytest.raises(ConfigError, match="config.json"):
+    with pytest.raises(ModelPathError, match="config.json"):
         resolve_model_path(str(tmp_path))
 
 

@@ -21,7 +21,7 @@ from rollout_engines import engines
 
 @pytest.fixture(scope="module")
 def tools_model_path():
-    from trainer.models import resolve_model_path
+    from rollout.models import resolve_model_path
 
     return resolve_model_path("tiny-qwen3-tools")
 

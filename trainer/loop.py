@@ -30,7 +30,7 @@ from trainer.checkpoint import CheckpointManager, preflight_output_dir
 from trainer.config import HomegymConfig, to_dict
 from trainer.memory_plan import check_memory
 from trainer.metrics import MetricsLogger, redact, timed, write_json
-from trainer.models import resolve_model_path
+from rollout.models import resolve_model_path
 from trainer.report import EVAL_COLUMNS, format_eval_table, terminal_eval_table, write_curves
 from trainer.runtime import Runtime
 from trainer.watchdog import HangError, Watchdog

@@ -43,7 +43,9 @@ def user_error(err: BaseException) -> Optional[Exception]:
     # imported them, and a start-up check's error stays as fast as the check (no torch).
     ray_errors = sys.modules.get("ray.exceptions")
     checkpoint = sys.modules.get("trainer.checkpoint")
-    user_types = (ConfigError,) + ((checkpoint.CheckpointError,) if checkpoint else ())
+    models = sys.modules.get("rollout.models")
+    user_types = ((ConfigError,) + ((checkpoint.CheckpointError,) if checkpoint else ())
+                  + ((models.ModelPathError,) if models else ()))
     for _ in range(16):  # bounded: a cause chain never needs more
         inner = [a for a in err.args if isinstance(a, BaseException)]
         if ray_errors and isinstance(err, ray_errors.RayTaskError) and \

@@ -267,7 +267,7 @@ def model_arch(config) -> tuple[ModelArch, str]:
     else the built-in table when the path names a recipe model (Qwen3-0.6B/4B/8B)."""
     path = config.model.path
     cfg_file = Path(path) / "config.json"
-    from trainer.models import BUILTIN_MODELS, default_cache_dir, resolve_model_path
+    from rollout.models import BUILTIN_MODELS, default_cache_dir, resolve_model_path
 
     if path in BUILTIN_MODELS and not cfg_file.is_file():  # homegym's offline models
         cached = Path(config.model.cache_dir or default_cache_dir()) / path / "config.json"

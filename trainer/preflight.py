@@ -275,7 +275,16 @@ def _env_columns(config: HomegymConfig, env_cls: Optional[type[Environment]], sp
 # ----------------------------------------------------------------------- model
 def check_model(config: HomegymConfig) -> None:
     """model.path holds a config and a tokenizer, or is a built-in model buildable here."""
-    from trainer.models import (BUILTIN_MODELS, default_cache_dir, resolve_model_path,
+    from rollout.models import ModelPathError
+
+    try:
+        _check_model_files(config)
+    except ModelPathError as err:
+        raise ConfigError(str(err)) from err
+
+
+def _check_model_files(config: HomegymConfig) -> None:
+    from rollout.models import (BUILTIN_MODELS, default_cache_dir, resolve_model_path,
                                 smollm2_gguf_file)
 
     path = config.model.path

@@ -104,7 +104,7 @@ class EngineGroup(_FanOut):
         of Ray scheduling strategies or ``(placement_group, bundle_index)`` pairs, or a
         ``trainer.placement.Placement`` (then its engine_strategy / engine_resources /
         engine_gpu_ids are used); default none (Ray places the actors)."""
-        from trainer.models import resolve_model_path
+        from rollout.models import resolve_model_path
 
         self.config = config
         self.num_engines = num_engines if num_engines is not None else config.num_engines

@@ -31,7 +31,7 @@ from trainer.backends import packed_attention
 from trainer.backends.rl_step import (
     micro_batch_advantages, per_sample_log_probs, train_step_metrics, zero_advantage_samples)
 from trainer.backends.schedule import lr_at
-from trainer.models import cache_kwarg, keeps_boolean_logits
+from rollout.models import cache_kwarg, keeps_boolean_logits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -85,7 +85,7 @@ class FSDPBackend:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
-        from trainer.models import resolve_model_path
+        from rollout.models import resolve_model_path
 
         cfg = self.config.model
         path = resolve_model_path(cfg.path, cfg.cache_dir)
@@ -359,7 +359,7 @@ class FSDPBackend:
     def save_adapter(self, out_dir: str) -> None:
         """Rank 0 writes the adapter in peft format (every rank takes part in the gathers)."""
         from trainer.backends.lora import save_adapter
-        from trainer.models import resolve_model_path
+        from rollout.models import resolve_model_path
 
         tensors = dict(self.adapter_tensors())
         if self.rank == 0:

@@ -43,7 +43,7 @@ import torch
 from rollout.engines.hf import fast_kernels, lean
 from rollout.engines.hf.batch_kv import BatchKV
 from rollout.engines.hf.fast_kernels import GrowingLayer
-from trainer.models import cache_kwarg
+from rollout.models import cache_kwarg
 
 RETURN_ORIGINAL_LOGPROB = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in (
     "1", "true", "yes")

@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from trainer.models import cache_root
+from rollout.models import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -103,7 +103,7 @@ class MegatronBackend:
         from transformers import AutoConfig
 
         from trainer.backends.megatron import model as M
-        from trainer.models import resolve_model_path
+        from rollout.models import resolve_model_path
 
         train = config.train
         # Layer spec and fused kernels: decided (and sequence_parallel refused without TE)

