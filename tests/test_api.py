@@ -22,7 +22,7 @@ def test_cpu_recipe_fields_map_onto_the_hydra_config():
         rollout_temperature=0.7, global_batch_size=4, save_interval=3, eval_interval=None,
         extra_config={"max_turns": 5, "log_multi_turn": True},
         apply_chat_template_kwargs='{"enable_thinking": false}',
-        custom_rm_function="envs.number_guess_seed.number_guess_rm",
+        custom_rm_function="examples.number_guess_seed.number_guess_rm",
         overrides=["warmup.steps=5"])).build()
     assert cfg.recipe_name == "number_guess_cpu" and cfg.model.path == "tiny-qwen3"
     assert (cfg.train.num_steps, cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt,
@@ -31,7 +31,7 @@ def test_cpu_recipe_fields_map_onto_the_hydra_config():
     assert cfg.rollout.extra_config == {"max_turns": 5, "log_multi_turn": True}
     assert cfg.env.max_turns == 5  # the built-in driver's budget follows max_turns
     assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
-    assert cfg.rollout.custom_rm_function == "envs.number_guess_seed.number_guess_rm"
+    assert cfg.rollout.custom_rm_function == "examples.number_guess_seed.number_guess_rm"
     assert cfg.warmup.steps == 5
 
 
@@ -56,7 +56,7 @@ def test_gpu_recipe_matches_the_cli_composition(monkeypatch):
     cfg = TrainConfig(model=Qwen3_4B("/models/q4b"), recipe=Qwen3_4B_Recipe(
         gpu_type="H100", colocate=False, actor_num_gpus_per_node=4, rollout_num_gpus=4,
         rollout_num_gpus_per_engine=1, tensor_model_parallel_size=2, sequence_parallel=True,
-        custom_generate_function="envs.number_guess_seed.number_guess_generate")).build()
+        custom_generate_function="examples.number_guess_seed.number_guess_generate")).build()
     assert cfg.cluster.colocate is False and cfg.train.ranks_per_node == 4
     assert cfg.rollout.num_gpus == 4 and cfg.cluster.gpus_per_node == 8
     assert cfg.train.tensor_model_parallel_size == 2 and cfg.train.sequence_parallel
@@ -85,9 +85,9 @@ def test_image_overlay_maps_to_runtime_env_pip_or_is_rejected():
 
 
 def test_importable_function_is_passed_by_dotted_path():
-    from envs.number_guess_seed import number_guess_rm
+    from examples.number_guess_seed import number_guess_rm
 
-    assert api.ship_function(number_guess_rm, "k") == "envs.number_guess_seed:number_guess_rm"
+    assert api.ship_function(number_guess_rm, "k") == "examples.number_guess_seed:number_guess_rm"
     assert api.ship_function("pkg.mod.fn", "k") == "pkg.mod.fn"
     with pytest.raises(ConfigError):
         api.ship_function(42, "k")

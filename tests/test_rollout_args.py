@@ -29,12 +29,12 @@ def test_args_reject_bad_keys_and_urls():
 
 
 def test_load_plugin_messages():
-    assert load_plugin("envs.number_guess_seed.number_guess_rm", "k").__name__ == "number_guess_rm"
-    assert load_plugin("envs.number_guess_seed:number_guess_generate", "k")
+    assert load_plugin("examples.number_guess_seed.number_guess_rm", "k").__name__ == "number_guess_rm"
+    assert load_plugin("examples.number_guess_seed:number_guess_generate", "k")
     with pytest.raises(ValueError, match="cannot import module"):
         load_plugin("nope_pkg.fn", "rollout.custom_rm_function")
     with pytest.raises(ValueError, match="has no 'missing'"):
-        load_plugin("envs.number_guess_seed.missing", "rollout.custom_rm_function")
+        load_plugin("examples.number_guess_seed.missing", "rollout.custom_rm_function")
     with pytest.raises(ValueError, match="must be an async function"):
         load_plugin("envs.number_guess.extract_answer", "rollout.custom_rm_function")
 

@@ -174,8 +174,8 @@ def test_arithmetic_env_single_turn(router):
 
 def test_seed_generate_and_rm_run_unchanged_in_the_ray_actor(router, ray_local):
     cfg = config(rollout_batch_size=2, n_samples_per_prompt=2,
-                 custom_generate_function="envs.number_guess_seed.number_guess_generate",
-                 custom_rm_function="envs.number_guess_seed.number_guess_rm",
+                 custom_generate_function="examples.number_guess_seed.number_guess_generate",
+                 custom_rm_function="examples.number_guess_seed.number_guess_rm",
                  extra_config={"max_turns": 6, "log_multi_turn": True})
     m = RolloutManager.remote(cfg, router)
     b = ray_local.get(m.generate.remote(0))

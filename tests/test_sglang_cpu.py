@@ -141,8 +141,8 @@ def test_guessing_game_through_the_rollout_manager(group, hf_model):
 
 def test_seed_custom_generate_function_unchanged(group):
     batch = rollout_step(group,
-                         "rollout.custom_generate_function=envs.number_guess_seed:number_guess_generate",
-                         "rollout.custom_rm_function=envs.number_guess_seed:number_guess_rm")
+                         "rollout.custom_generate_function=examples.number_guess_seed:number_guess_generate",
+                         "rollout.custom_rm_function=examples.number_guess_seed:number_guess_rm")
     assert len(batch) == 4 and "failed" not in batch.statuses
     assert all(sum(m) > 0 for m in batch.loss_masks)
 
