@@ -1,4 +1,5 @@
-"""The environment protocol, and finding an environment class by name or dotted path.
+"""The environment protocol and the registry of environment names (rollout.plugins finds a
+class by registered name or dotted path).
 
 One ``Environment`` instance plays one episode: the rollout driver calls ``reset(sample)``
 once, then ``step(action_text)`` with each model turn's text until ``done``. Environments
@@ -11,7 +12,6 @@ averages numeric/bool metadata across a batch into metrics, so keys such as ``su
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar, Optional
 
@@ -51,55 +51,18 @@ class Environment(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no scripted player")
 
 
-_REGISTRY: dict[str, type[Environment]] = {}
+REGISTRY: dict[str, type[Environment]] = {}
 # Built-in environments live in modules imported on first lookup (keeps imports cheap).
-_BUILTIN_MODULES = {"number_guess": "envs.number_guess", "arithmetic": "envs.arithmetic",
+BUILTIN_MODULES = {"number_guess": "envs.number_guess", "arithmetic": "envs.arithmetic",
                     "calculator": "envs.calculator"}
 
 
 def register(name: str) -> Callable[[type[Environment]], type[Environment]]:
     def deco(cls: type[Environment]) -> type[Environment]:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
+        if name in REGISTRY and REGISTRY[name] is not cls:
             raise ValueError(f"environment {name!r} is already registered by "
-                             f"{_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__}")
+                             f"{REGISTRY[name].__module__}.{REGISTRY[name].__qualname__}")
         cls.name = name
-        _REGISTRY[name] = cls
+        REGISTRY[name] = cls
         return cls
     return deco
-
-
-def load_object(path: str, what: str = "object") -> Any:
-    """Import ``package.module:attr`` or ``package.module.attr``."""
-    if ":" in path:
-        module_name, _, attr = path.partition(":")
-    else:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"{what} {path!r} is not a dotted path like 'package.module.name'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {e}") from e
-    try:
-        obj = module
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except AttributeError as e:
-        raise ValueError(f"{what} {path!r}: module {module_name!r} has no {attr!r}") from e
-    return obj
-
-
-def get_env_class(name: str) -> type[Environment]:
-    """A registered environment name (number_guess, arithmetic) or a dotted class path."""
-    if name in _BUILTIN_MODULES and name not in _REGISTRY:
-        importlib.import_module(_BUILTIN_MODULES[name])
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    if "." not in name and ":" not in name:
-        raise ValueError(f"env.name: unknown environment {name!r}; registered: "
-                         f"{', '.join(sorted(set(_REGISTRY) | set(_BUILTIN_MODULES)))}, "
-                         "or give a dotted path to an Environment subclass")
-    cls = load_object(name, "env.name")
-    if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise ValueError(f"env.name: {name!r} is not an envs.base.Environment subclass")
-    return cls

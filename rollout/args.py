@@ -12,7 +12,7 @@ import inspect
 from typing import Any, Callable
 from urllib.parse import urlparse
 
-from envs.base import load_object
+from rollout.plugins import load_object
 
 
 class RolloutArgs:

@@ -92,7 +92,7 @@ class DataSource:
         if path is not None:
             rows, origin = _load_rows(path), path
         else:
-            from envs.base import get_env_class
+            from rollout.plugins import get_env_class
 
             env_cls = get_env_class(config.env.name)
             try:

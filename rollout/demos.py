@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional, Sequence
 
-from envs.base import Environment, get_env_class
+from envs.base import Environment
+from rollout.plugins import get_env_class
 from rollout.data import DataSource
 from rollout.generate import ChatRenderer, Episode, run_episode
 from rollout.sample import Sample

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 import ray
 
-from envs.base import get_env_class, load_object
+from rollout.plugins import get_env_class, load_object
 from rollout import generate as gen
 from rollout.args import RolloutArgs, load_plugin
 from rollout.data import DataSource

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from envs.base import Environment, get_env_class
+from envs.base import Environment
+from rollout.plugins import get_env_class
 from envs.number_guess import EVAL_TARGETS, NumberGuessEnv, TRAIN_TARGETS, trajectory_reward
 from rollout import Sample
 

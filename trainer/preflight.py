@@ -26,7 +26,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from envs.base import Environment, get_env_class, load_object
+from envs.base import Environment
+from rollout.plugins import get_env_class, load_object
 from trainer.config import ConfigError, HomegymConfig
 
 NO_ENV = ("", "none", "null")  # env.name values that mean "no environment" (rollout.manager)

@@ -13,7 +13,7 @@ import copy
 import random
 from typing import Any, Sequence
 
-from envs.base import load_object
+from rollout.plugins import load_object
 from rollout.agent import ScriptedChatPolicy, run_agent
 from rollout.args import RolloutArgs, load_plugin
 from rollout.data import DataSource
