@@ -99,5 +99,8 @@ def train_step_metrics(reduced: dict[str, float], *, grad_norms: list[float], lr
     out["train/lr"] = lrs[-1]
     out["train/optimizer_steps"] = float(num_steps)
     out["train/skipped_samples"] = float(skipped)
+    # A step whose samples were all skipped had exactly zero loss: say so, not nothing.
+    for key in ("train/loss", "train/pg_loss"):
+        out.setdefault(key, 0.0)
     out["perf/train_time"] = time.perf_counter() - start
     return out
