@@ -145,9 +145,22 @@ def _servers() -> dict:
     return found
 
 
-def _check_no_leaks(before_actors: dict, before_servers: dict, where: str) -> None:
+def _supervised_by(pid: int, supervisors: set) -> bool:
+    """Whether ``pid``'s parent is one of ``supervisors`` (and still alive)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).ppid() in supervisors
+    except psutil.Error:
+        return False
+
+
+def _check_no_leaks(before_actors: dict, before_servers: dict, where: str,
+                    before_pids: frozenset = frozenset()) -> None:
     """Actors and server processes started since the snapshot must be gone (shutdown is
-    asynchronous: allow them a deadline); leftover servers are killed, then reported."""
+    asynchronous: allow them a deadline); leftover servers are killed, then reported. A
+    server started by a process that predates the snapshot (an engine actor of a
+    module-scoped group restarting its server) belongs to that owner, not to the test."""
     import time
 
     import psutil
@@ -155,7 +168,8 @@ def _check_no_leaks(before_actors: dict, before_servers: dict, where: str) -> No
     deadline = time.monotonic() + 30
     while True:
         actors = {a: c for a, c in _alive_actors().items() if a not in before_actors}
-        servers = {k: c for k, c in _servers().items() if k not in before_servers}
+        servers = {k: c for k, c in _servers().items() if k not in before_servers
+                   and not _supervised_by(k[0], before_pids)}
         if not actors and not servers:
             return
         if time.monotonic() > deadline:
@@ -173,9 +187,13 @@ def _check_no_leaks(before_actors: dict, before_servers: dict, where: str) -> No
 @pytest.fixture(autouse=True)
 def no_leaked_actors_or_servers(request):
     """No Ray actor or server process a test started outlives it."""
+    import psutil
+
+    # This process's descendants (an orphaned server's parent, init, is never one of them).
+    pids = frozenset(p.pid for p in psutil.Process().children(recursive=True))
     actors, servers = _alive_actors(), _servers()
     yield
-    _check_no_leaks(actors, servers, request.node.nodeid)
+    _check_no_leaks(actors, servers, request.node.nodeid, pids)
 
 
 @pytest.fixture(scope="module", autouse=True)
