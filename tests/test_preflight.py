@@ -6,11 +6,14 @@ The user code the checks load is a real module written to a temp dir on PYTHONPA
 """
 
 import json
+import re
+import subprocess
+import sys
 import textwrap
 
 import pytest
 
-from conftest import main_exit
+from conftest import REPO, clean_env, main_exit
 
 # Seconds a check may take on a loaded 2-core box (about 1 s unloaded); Ray and the
 # engines alone take longer than this to start.
@@ -172,23 +175,32 @@ def test_the_default_config_passes_the_checks():
     preflight(compose_config("env=arithmetic"))
 
 
+API_CHECK = r"""
+import sys, ray
+from trainer.api import NumberGuessCPURecipe, TrainConfig
+from trainer.config import ConfigError
+
+def my_reward(args, sample):  # defined in __main__, so shipped by value; not async
+    return 1.0
+
+try:
+    TrainConfig(recipe=NumberGuessCPURecipe(custom_rm_function=my_reward),
+                output_dir=sys.argv[1]).launch()
+except ConfigError as err:
+    print("ConfigError:", err)
+print("ray initialized:", ray.is_initialized())
+"""
+
+
 def test_the_python_api_checks_before_ray_starts(tmp_path):
     """TrainConfig.launch() runs the same checks before it connects to Ray, on functions
-    it would ship by value too."""
-    import ray
-
-    from trainer.api import NumberGuessCPURecipe, TrainConfig
-    from trainer.config import ConfigError
-
-    def my_reward(args, sample):  # defined here, so shipped by value; not async
-        return 1.0
-
-    assert not ray.is_initialized()
-    recipe = NumberGuessCPURecipe(custom_rm_function=my_reward)
-    with pytest.raises(ConfigError, match=r"^rollout.custom_rm_function: .*my_reward.* must "
-                                          r"be an async function"):
-        TrainConfig(recipe=recipe, output_dir=str(tmp_path)).launch()
-    assert not ray.is_initialized()
+    it would ship by value too (in a fresh process: this one may hold the suite's Ray)."""
+    proc = subprocess.run([sys.executable, "-c", API_CHECK, str(tmp_path)], cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"ConfigError: rollout.custom_rm_function: .*my_reward.* must be an "
+                     r"async function", proc.stdout), proc.stdout + proc.stderr[-2000:]
+    assert "ray initialized: False" in proc.stdout
 
 
 def test_a_config_error_inside_a_ray_actor_is_reported_as_one_line(ray_local):
