@@ -102,7 +102,7 @@ def test_short_run_learns_something_and_writes_its_run_dir(tmp_path, tiny_model_
         assert math.isfinite(r["rollout/raw_reward"]) and r["perf/weight_sync_bytes"] > 0
     # A step whose rewards are all equal has no advantage to train on (skipped); steps 2-3
     # must have had a signal, or the comparison below would not involve RL.
-    trained = [r for r in steps if "train/pg_loss" in r]
+    trained = [r for r in steps if "train/rollout_logprob_abs_diff" in r]  # samples ran
     assert all(math.isfinite(r["train/pg_loss"]) for r in trained)
     assert {r["step"] for r in trained} & {2, 3}, [r.get("train/skipped_samples") for r in steps]
     assert "step 3/3" in run.output
