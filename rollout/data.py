@@ -12,11 +12,27 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
 from rollout.sample import Sample
+
+
+def jsonl_rows(path: str) -> Iterator[dict]:
+    """The JSON objects of a JSONL file, one per non-blank line, read lazily; a bad line is
+    a ValueError naming the file and line."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {lineno}: invalid JSON: {e.msg}") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: line {lineno}: expected a JSON object")
+            yield row
 
 
 def _load_rows(path: str) -> list[dict]:
@@ -36,18 +52,7 @@ def _load_rows(path: str) -> list[dict]:
 
         return pq.read_table(path).to_pylist()
     if path.endswith((".jsonl", ".json")):
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}: line {lineno}: invalid JSON: {e.msg}") from e
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}: line {lineno}: expected a JSON object")
-                rows.append(row)
+        rows = list(jsonl_rows(path))
         return rows
     raise ValueError(f"{path}: unsupported data format (use .parquet, .jsonl or a "
                      "`datasets` directory)")

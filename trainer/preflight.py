@@ -237,17 +237,13 @@ def _file_columns(path: str, key: str) -> Optional[set[str]]:
         except Exception as err:
             raise _fail(key, f"{path!r} is not a readable parquet file: {err}") from err
     if path.endswith((".jsonl", ".json")):
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise _fail(key, f"{path!r} line {lineno}: invalid JSON: {err.msg}") from err
-                if not isinstance(row, dict):
-                    raise _fail(key, f"{path!r} line {lineno}: expected a JSON object")
+        from rollout.data import jsonl_rows
+
+        try:
+            for row in jsonl_rows(path):  # the first row is enough
                 return set(row)
+        except ValueError as err:
+            raise _fail(key, str(err)) from err
         raise _fail(key, f"{path!r} has no rows")
     raise _fail(key, f"{path!r}: unsupported data format (use .parquet, .jsonl or a "
                 "`datasets` directory)")
