@@ -394,15 +394,19 @@ def test_calculator_agent_trains_end_to_end(tmp_path):
     assert "HTTP Request:" not in run.output  # httpx's per-request INFO lines stay quiet
 
 
+def odd(group: int) -> bool:
+    return group % 2 == 1
+
+
 class Hold:
-    on = True
+    busy = staticmethod(odd)  # which groups stay in flight until the step ends
 
 
 async def agent_busy_on_odd_groups(client, sample, args):
-    """Odd groups keep calling the model until released: in flight when the step ends."""
+    """Groups chosen by ``Hold.busy`` keep calling the model: in flight when the step ends."""
     msgs = [{"role": "user", "content": "hi"}]
     calls = 0
-    while sample.group_index % 2 == 1 and Hold.on:
+    while Hold.busy(sample.group_index):
         await client.chat.completions.create(model="policy", messages=msgs, max_tokens=1)
         calls += 1
     await client.chat.completions.create(model="policy", messages=msgs)
@@ -424,11 +428,13 @@ def test_agents_aborted_at_the_end_of_a_step_restart_next_step(router):
     for items in m.buffer:  # restarted from the prompt, as a custom generate function is
         for it in items:
             assert it.result is None and it.episode.sample.tokens == it.prompt_ids
-    Hold.on = False
+    # Step 1 over-samples new groups next to the two resumed ones; holding the new ones
+    # makes the resumed groups the first to finish, whatever the machine's load.
+    Hold.busy = staticmethod(lambda group: group >= 4)
     try:
         b1 = run(m.generate(1))
     finally:
-        Hold.on = True
+        Hold.busy = staticmethod(odd)
     assert sorted(set(b1.group_ids)) == [1, 3] and b1.metrics["rollout/resumed_groups"] == 2
     # The restarted episodes' samples hold only their new session's single call.
     assert b1.metrics["rollout/agent/calls"] == 1.0 and b1.metrics["rollout/busy_calls"] == 0.0
