@@ -6,6 +6,7 @@
 
 This is the hosted-gym notebook with homegym's API. Edits from the seed:
   * imports: ``from trainer.api import ...`` and ``from rollout import ...`` (not slime);
+    the seed's generate function is imported from examples/number_guess_seed.py;
     the model/recipe are the CPU ones (``TinyQwen3``, ``NumberGuessCPURecipe``); on a GPU
     node use ``Qwen3_4B()`` / ``Qwen3_4B_Recipe(...)`` and the seed's arguments verbatim;
   * ``number_guess_rm`` also reads the built-in env driver's flat metadata (one line);
@@ -22,7 +23,6 @@ reward: homegym ships it to the Ray workers by value.
 """
 
 import json
-import re
 import sys
 
 from trainer.api import (
@@ -32,11 +32,16 @@ from trainer.api import (
     TinyQwen3,
     TrainConfig,
 )
+from examples.number_guess_seed import (
+    _MAX_TURNS,
+    _extract_answer,
+    _trajectory_reward,
+    number_guess_generate,
+)
 
 # Build a deterministic guessing dataset: train on odd targets, evaluate on even targets.
 
 _MAX_VALUE = 20
-_MAX_TURNS = 6
 _PROMPT = (
     "You are playing a number guessing game.\n"
     "The hidden integer is between 1 and 20.\n"
@@ -90,121 +95,8 @@ eval_dataset = NumberGuessDataset()
 
 # Multi-turn environment and reward (PipelineRL-style shaping):
 #   success: 2.0 - 0.1 * (turns - 1); malformed output: -2.0; otherwise: -1.0
-
-_ANSWER_RE = re.compile(r"<answer>\s*(\d+)\s*</answer>", re.IGNORECASE)
-
-
-def _parse_label(sample) -> dict:
-    raw = getattr(sample, "label", None)
-    if isinstance(raw, dict):
-        return raw
-    if isinstance(raw, str):
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError:
-            return {}
-    return {}
-
-
-def _extract_answer(text: str) -> int | None:
-    matches = list(_ANSWER_RE.finditer(text))
-    if not matches:
-        return None
-    guess = int(matches[-1].group(1))
-    if 1 <= guess <= _MAX_VALUE:
-        return guess
-    return None
-
-
-async def number_guess_generate(args, sample, sampling_params):
-    from rollout import GenerateState, Sample, post
-
-    label = _parse_label(sample)
-    target = int(label.get("answer", 1))
-    max_turns = int(getattr(args, "max_turns", _MAX_TURNS))
-
-    state = GenerateState(args)
-    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
-
-    prompt_ids = state.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
-    trajectory_text = ""
-    response_segments: list[tuple[str, int]] = []
-
-    success = False
-    format_error = False
-    turns_taken = max_turns
-    final_status = Sample.Status.COMPLETED
-
-    for turn in range(max_turns):
-        output = await post(
-            url,
-            {
-                "text": f"{sample.prompt}\n{trajectory_text}".strip(),
-                "sampling_params": sampling_params,
-            },
-        )
-        finish_type = output["meta_info"]["finish_reason"]["type"]
-        if finish_type == "abort":
-            sample.status = Sample.Status.ABORTED
-            return sample
-
-        model_text = output["text"]
-        trajectory_text += model_text
-        response_segments.append((model_text, 1))
-
-        guess = _extract_answer(model_text)
-        if guess is None:
-            format_error = True
-            turns_taken = turn + 1
-            break
-
-        if guess == target:
-            success = True
-            turns_taken = turn + 1
-            break
-
-        feedback = "higher" if guess < target else "lower"
-        feedback_text = f"\n<feedback>{feedback}</feedback>\n"
-        trajectory_text += feedback_text
-        response_segments.append((feedback_text, 0))
-
-        if finish_type == "length":
-            final_status = Sample.Status.TRUNCATED
-            break
-
-    response_token_ids: list[int] = []
-    loss_masks: list[int] = []
-    for segment_text, trainable in response_segments:
-        token_ids = state.tokenizer(segment_text, add_special_tokens=False)["input_ids"]
-        response_token_ids += token_ids
-        loss_masks += [trainable] * len(token_ids)
-
-    sample.tokens = prompt_ids + response_token_ids
-    sample.response_length = len(response_token_ids)
-    sample.response = trajectory_text
-    sample.loss_mask = loss_masks
-    sample.status = final_status
-
-    sample_metadata = getattr(sample, "metadata", None)
-    if not isinstance(sample_metadata, dict):
-        sample_metadata = {}
-    sample_metadata["guessing"] = {
-        "target": target,
-        "success": success,
-        "format_error": format_error,
-        "turns_taken": turns_taken,
-    }
-    sample.metadata = sample_metadata
-    return sample
-
-
-def _trajectory_reward(success: bool, format_error: bool, turns_taken: int) -> float:
-    if success:
-        return float(2.0 - 0.1 * max(0, turns_taken - 1))
-    if format_error:
-        return -2.0
-    return -1.0
-
+# The seed's generate function and parsing helpers come from examples/number_guess_seed.py
+# (verbatim there); the reward stays in this script, shipped by value as a notebook's is.
 
 async def number_guess_rm(args, sample, **kwargs) -> float:
     sample_metadata = getattr(sample, "metadata", None)
