@@ -197,7 +197,7 @@ def test_lora_run_end_to_end_checkpoint_serves_and_evaluates(ray_local, tmp_path
     from transformers import AutoModelForCausalLM
 
     from trainer.eval import evaluate_models
-    from trainer.serve import resolve_checkpoint
+    from trainer.checkpoint import resolve_checkpoint
 
     run = run_main(tmp_path, "train.lora.rank=8", "train.num_steps=2", "warmup.steps=2",
                    "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4",

@@ -532,4 +532,4 @@ class Run:
 
 
 # Re-exported here so a notebook imports everything from one place.
-from trainer.serve import Endpoint  # noqa: E402
+from trainer.endpoint import Endpoint  # noqa: E402

@@ -142,6 +142,21 @@ class CheckpointManager:
         return path
 
 
+def resolve_checkpoint(path: str | os.PathLike) -> str:
+    """A servable HF directory for a checkpoint dir (``<ckpt>/hf``), an HF dir, a run dir
+    (its latest checkpoint) or ``checkpoints/`` dir."""
+    p = Path(path).expanduser()
+    candidates = [p / "hf", p, p / "latest" / "hf", p / "checkpoints" / "latest" / "hf"]
+    for c in candidates:
+        if (c / "config.json").exists():
+            return str(c.resolve())
+    raise FileNotFoundError(
+        f"checkpoint={path}: no Hugging Face checkpoint there (looked for config.json in "
+        f"{', '.join(str(c) for c in candidates)}). Give a checkpoint directory "
+        "(outputs/<run>/checkpoints/step_NNNNNN or .../latest), its hf/ subdirectory, or a run "
+        "directory.")
+
+
 # Files of the source checkpoint that describe it (not weights): copied next to an export.
 _HF_META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                   "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",

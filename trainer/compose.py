@@ -41,6 +41,19 @@ def compose_config(overrides: Sequence[str] = (), values: Optional[dict] = None)
     return build_config(cfg)
 
 
+def split_args(argv: Sequence[str], keys: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """Pull ``key=value`` for a command's own keys out of argv; the rest are Hydra overrides."""
+    own: dict[str, str] = {}
+    rest: list[str] = []
+    for arg in argv:
+        name, sep, value = arg.partition("=")
+        if sep and name in keys:
+            own[name] = value
+        else:
+            rest.append(arg)
+    return own, rest
+
+
 def _check_keys(cfg: DictConfig, values: dict, prefix: str = "") -> None:
     """Every key of ``values`` must exist in the schema (free-form dicts take any key)."""
     for key, value in values.items():

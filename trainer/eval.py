@@ -49,9 +49,9 @@ def evaluate_models(specs: Sequence[str], overrides: Sequence[str] = (),
 
     from rollout.engines.group import EngineGroup
     from rollout.manager import RolloutManager
+    from trainer.checkpoint import resolve_checkpoint
     from trainer.compose import compose_config
     from trainer.runtime import connect_ray
-    from trainer.serve import resolve_checkpoint
 
     results: dict[str, dict[str, Any]] = {}
     started_ray = False
@@ -104,9 +104,9 @@ def write_results(results: dict[str, dict[str, Any]], out: Path) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from trainer.compose import compose_config
+    from trainer.checkpoint import resolve_checkpoint
+    from trainer.compose import compose_config, split_args
     from trainer.config import ConfigError
-    from trainer.serve import split_args
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -116,7 +116,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     specs = [own.get("checkpoint", BASE)] + ([own["compare"]] if "compare" in own else [])
     try:
         base_config = compose_config(overrides)
-        from trainer.serve import resolve_checkpoint
         for s in specs:
             if s != BASE:
                 resolve_checkpoint(s)
