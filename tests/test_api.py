@@ -84,6 +84,14 @@ def test_image_overlay_maps_to_runtime_env_pip_or_is_rejected():
         bad.pip_packages()
 
 
+def test_recipe_pip_is_refused_once_ray_runs(ray_local, tmp_path):
+    """Ray's runtime_env is fixed at ray.init: launch() with Recipe(pip=...) in a process
+    whose Ray is already up says so instead of training without the packages."""
+    run = TrainConfig(recipe=NumberGuessCPURecipe(pip=["regex"]), output_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"recipe.pip=\['regex'\]: Ray is already initialized"):
+        run.launch()
+
+
 def test_importable_function_is_passed_by_dotted_path():
     from examples.number_guess_seed import number_guess_rm
 
@@ -103,14 +111,14 @@ def test_notebook_function_is_shipped_by_value_to_ray_workers(ray_local):
         return float(len(sample)) + bonus
 
     path = api.ship_function(my_rm, "recipe.custom_rm_function")
-    assert path.startswith("trainer.api:shipped__my_rm__")
+    assert path.startswith("trainer.shipping:shipped__my_rm__")
 
     @ray_local.remote
     def load_and_call(p):
         import asyncio
 
-        import trainer.api as a
-        a._SHIPPED.clear()  # a fresh worker would not have it: force the KV path
+        import trainer.shipping as shipping
+        shipping._SHIPPED.clear()  # a fresh worker would not have it: force the KV path
         from rollout.args import load_plugin
 
         fn = load_plugin(p, "rollout.custom_rm_function")
@@ -148,7 +156,7 @@ def test_seed_example_runs_end_to_end(tmp_path):
     summary = json.loads(line[len("RESULT "):])
     run_dir = Path(summary["run_dir"])
     cfg = (run_dir / "config.yaml").read_text()
-    assert "trainer.api:shipped__number_guess_rm__" in cfg  # shipped by value from __main__
+    assert "trainer.shipping:shipped__number_guess_rm__" in cfg  # shipped by value from __main__
     assert (run_dir / "data" / "train.parquet").exists()
     # The two RL steps ran.
     steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "rollout/raw_reward" in m]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -39,6 +39,14 @@ def compose_config(overrides: Sequence[str] = (), values: Optional[dict] = None)
         except (HydraException, OmegaConfBaseException) as err:
             raise ConfigError(" ".join(line.strip() for line in str(err).splitlines() if line.strip()) or repr(err)) from err
     return build_config(cfg)
+
+
+def set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """``tree["a"]["b"] = value`` for ``"a.b"``: builds the nested ``values`` dict above."""
+    *parents, last = dotted.split(".")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[last] = value
 
 
 def split_args(argv: Sequence[str], keys: Sequence[str]) -> tuple[dict[str, str], list[str]]:

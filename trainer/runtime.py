@@ -13,11 +13,11 @@ import os
 import signal
 from pathlib import Path
 from types import FrameType
-from typing import Optional
+from typing import Optional, Sequence
 
 import ray
 
-from trainer.config import HomegymConfig
+from trainer.config import ConfigError, HomegymConfig
 
 log = logging.getLogger("homegym")
 
@@ -47,9 +47,15 @@ def _job_env_vars() -> dict:
         return {}
 
 
-def connect_ray(config: HomegymConfig) -> bool:
-    """Join the configured cluster or start a local one. Returns True if we started it."""
+def connect_ray(config: HomegymConfig, *, pip: Sequence[str] = ()) -> bool:
+    """Join the configured cluster or start a local one. Returns True if we started it.
+    ``pip``: packages for Ray's runtime_env (the Python API's ``Recipe(pip=[...])``)."""
     if ray.is_initialized():
+        if pip:
+            raise ConfigError(f"recipe.pip={list(pip)}: Ray is already initialized in this "
+                              "process, so its runtime_env cannot change; call "
+                              "ray.init(runtime_env={'pip': [...]}) yourself or install the "
+                              "packages on the cluster")
         return False
     address = config.cluster.address or os.environ.get("RAY_ADDRESS")
     env_vars = worker_env(config)
@@ -58,7 +64,9 @@ def connect_ray(config: HomegymConfig) -> bool:
     # keys again, so the job's values win and only the missing keys are added.
     for key in _job_env_vars():
         env_vars.pop(key, None)
-    runtime_env = {"env_vars": env_vars}
+    runtime_env: dict = {"env_vars": env_vars}
+    if pip:
+        runtime_env["pip"] = list(pip)
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         return False
