@@ -13,8 +13,8 @@ import pytest
 import ray
 import torch
 
-from rollout.generate import close_session
 from rollout.generate import generate as default_generate
+from rollout.http import close_session
 from rollout.manager import RolloutManagerCore
 from rollout_engines import config, start_decoding
 
@@ -130,3 +130,57 @@ def test_engine_dies_mid_rollout_step_completes_and_engine_recovers(group, tiny_
     assert group.recover(push_weights=push_current)["rollout/engines_restarted_now"] == 0.0
     batch = _rollout_while(cfg, group.router_url, lambda: None)
     assert set(batch.weight_versions) == {5}
+
+
+def test_a_replaced_weight_broadcast_group_is_destroyed_on_rank_0_and_the_engines(
+        group, tiny_model_path):
+    """Async recovery forms a broadcast group for the restarted engine, then one for all
+    engines: each new group replaces the last on rank 0 (torch's registry of groups) and on
+    every engine still running, so restarts leave no groups behind."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from rollout.engines.client import EngineError
+    from trainer.train_group import TrainActor
+    from trainer.weights import WeightSync, send_weights
+
+    cfg = config(num_engines=2)
+    rank0 = TrainActor(cfg, rank=0, world_size=1)  # the rank's own methods, in this process
+
+    class Policy:
+        init_weight_broadcast = rank0.init_weight_broadcast
+        destroy_weight_broadcast = rank0.destroy_weight_broadcast
+
+        def send_weights(self, plan):
+            return send_weights([_weights(tiny_model_path, 2.0)], plan, rank=0, world_size=1,
+                                weight_group=rank0._weight_group)
+
+    def rank0_groups() -> list[str]:
+        return sorted(n for n in c10d._world.pg_names.values() if n.startswith("homegym_weights"))
+
+    def engine_holds(client, name: str) -> bool:
+        """Whether the engine is still in group ``name`` (destroying it is the only probe
+        SGLang's contract has: it fails for a group the engine is not in)."""
+        try:
+            client.destroy_weights_update_group(name)
+            return True
+        except EngineError:
+            return False
+
+    sync = WeightSync(cfg, Policy(), group, mode="distributed")
+    sync.push(1)
+    assert rank0_groups() == ["homegym_weights_1"]
+    survivor = group.clients[1]
+
+    os.kill(ray.get(group.engines[0].pid.remote()), signal.SIGKILL)
+    group.recover(push_weights=lambda view: sync.push(1, engines=view))  # group 2: engine 0
+    assert rank0_groups() == ["homegym_weights_2"]
+    assert not engine_holds(survivor, "homegym_weights_1")  # the survivor left group 1
+    restarted = group.clients[0]
+
+    sync.push(2)  # group 3: both engines
+    assert rank0_groups() == ["homegym_weights_3"]
+    assert not engine_holds(restarted, "homegym_weights_2")
+    assert group.weight_versions() == ["2", "2"]
+    assert engine_holds(restarted, "homegym_weights_3") and engine_holds(survivor, "homegym_weights_3")
+    rank0.destroy_weight_broadcast()
+    assert rank0_groups() == []

@@ -79,8 +79,18 @@ class TrainActor:
             return
         from trainer.weights import join_broadcast_group
 
+        self.destroy_weight_broadcast()  # one group at a time: a new one replaces it
         address, port = self.rendezvous_address()
         self._weight_group = join_broadcast_group(targets, address, port, group_name, backend)
+
+    def destroy_weight_broadcast(self) -> None:
+        """Rank 0 leaves its weight-update group, freeing what the group holds (sockets or
+        an NCCL communicator); dropping the reference frees nothing, torch keeps it."""
+        group, self._weight_group = getattr(self, "_weight_group", None), None
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(group)
 
     def send_weights(self, plan) -> dict[str, float]:
         """Stream this backend's weights to the engines of ``plan`` (trainer.weights.PushPlan)."""
@@ -193,6 +203,9 @@ class TrainGroup:
     def init_weight_broadcast(self, targets: list, group_name: str, backend: str) -> None:
         """Rank 0 and the engines form the broadcast group of the distributed weight path."""
         ray.get(self.actors[0].init_weight_broadcast.remote(targets, group_name, backend))
+
+    def destroy_weight_broadcast(self) -> None:
+        ray.get(self.actors[0].destroy_weight_broadcast.remote())
 
     def send_weights(self, plan) -> dict[str, float]:
         """Every rank streams its share of ``plan`` to the engines; rank 0's metrics (the

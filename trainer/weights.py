@@ -114,8 +114,9 @@ class WeightSync:
         self.mode = mode
         self.disk_dir = disk_dir
         self.bucket_bytes = config.train.weight_bucket_mb * 2**20
-        self._group_targets: Optional[tuple] = None  # engines the broadcast group was made for
-        self._group_name = ""
+        self._group_targets: Optional[tuple] = None  # engines of a usable broadcast group
+        self._group_name = ""  # the group rank 0 is in (usable or not)
+        self._group_members: tuple = ()  # the engines asked to join it
         self._groups_made = 0
 
     def plan(self, version: int, engines=None) -> PushPlan:
@@ -152,17 +153,40 @@ class WeightSync:
         return metrics
 
     def _init_group(self, plan: PushPlan) -> str:
-        """Form a broadcast group of rank 0 and ``plan``'s engines; returns its name (new
-        each time: a process cannot create two groups of one name)."""
+        """Form a broadcast group of rank 0 and ``plan``'s engines, in place of the previous
+        one; returns its name (new each time: a process cannot create two groups of one
+        name)."""
         backend = "nccl" if self.config.cluster.device == "cuda" else "gloo"
+        self._destroy_group()
         self._groups_made += 1
         name = f"{GROUP_NAME}_{self._groups_made}"
+        self._group_name, self._group_members = name, plan.targets
         try:
             self.train_group.init_weight_broadcast(list(plan.targets), name, backend)
         except Exception as err:
             raise WeightSyncError(f"engines could not join the weight-update group: {err}") from err
-        self._group_targets, self._group_name = plan.targets, name
+        self._group_targets = plan.targets
         return name
+
+    def _destroy_group(self) -> None:
+        """Take the last broadcast group apart: a process keeps every group it joined (its
+        connections, an NCCL communicator and its buffers) until it is destroyed, so each
+        engine restart would otherwise leave one behind on rank 0 and on the engines that
+        lived on. Engines that were restarted since took their side with them."""
+        if not self._group_name:
+            return
+        name, members = self._group_name, self._group_members
+        self._group_name, self._group_members, self._group_targets = "", (), None
+        running = {t.url for t in self.engines.targets()}
+        for target in members:
+            if target.url not in running:
+                continue
+            try:
+                target.client().destroy_weights_update_group(name)
+            except EngineError as err:  # e.g. it never joined: there is nothing to free
+                log.warning("%s: leaving weight-update group %s failed: %s",
+                            target.name, name, err)
+        self.train_group.destroy_weight_broadcast()
 
     def verify(self, version: int, engines=None) -> None:
         reported = (engines or self.engines).weight_versions()
