@@ -5,16 +5,15 @@ backward, ``clip_grad_norm_`` over DTensor grads, ``full_tensor()`` gathering, D
 save/load and ``module.to()`` all work, so the CPU path is the same code as the GPU one.
 
 What is FSDP-specific lives here: sharding, running the model on micro-batches, gradient
-sync, checkpoint format, offload. Loss, advantages and batching are shared
-(``trainer.algo``, ``trainer.backends.batching``) so a Megatron backend computes the
-same objective.
+sync, checkpoint format, offload. The step loop, loss, advantages and batching are shared
+(``trainer.backends.rl_step``, ``trainer.algo``, ``trainer.backends.batching``) so a
+Megatron backend computes the same objective.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import time
 from typing import Iterator, Optional
 
 import torch
@@ -22,15 +21,13 @@ import torch.distributed as dist
 from transformers import DynamicCache
 
 from trainer.algo.losses import entropy_from_logits, token_log_probs
-from trainer.algo.objective import TokenInputs, policy_objective, sft_objective
 from trainer.backends.base import NamedTensors
 from trainer.backends.batching import (
     BatchLike, MicroBatch, build_micro_batch, build_shared_prefix_micro_batch, check_batch,
-    minibatch_ranges, plan_step, step_norms)
+    plan_step)
 from trainer.backends import packed_attention
-from trainer.backends.rl_step import (
-    micro_batch_advantages, per_sample_log_probs, train_step_metrics, zero_advantage_samples)
-from trainer.backends.schedule import lr_at
+from trainer.backends.rl_step import StepLoop, per_sample_log_probs
+from trainer.backends.schedule import total_optimizer_steps
 from rollout.models import cache_kwarg, keeps_boolean_logits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,7 +40,7 @@ def _kept(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return logits if logits.dim() == 2 else logits[keep]
 
 
-class FSDPBackend:
+class FSDPBackend(StepLoop):
     """One training rank. Call ``init`` after ``torch.distributed`` is initialised."""
 
     def init(self, config, rank: int, world_size: int) -> None:
@@ -77,9 +74,7 @@ class FSDPBackend:
         self.cache_kw = cache_kwarg(self.model)
         # Otherwise the LM head runs at every position and _kept selects (more work).
         self.bool_keep = keeps_boolean_logits(self.model)
-        samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
-        per_rollout = samples // (train.global_batch_size or samples)
-        self.total_optimizer_steps = max(train.num_steps * per_rollout, 1)
+        self.total_optimizer_steps = total_optimizer_steps(config.rollout, train)
 
     def _build_model(self, *, trainable: bool) -> torch.nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -171,7 +166,10 @@ class FSDPBackend:
     def _no_grad_log_probs(self, model, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         return [self._forward(model, mb, with_entropy=False)[0] for mb in mbs]
 
-    def _ref_log_probs(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+    def _ref_log_probs(self, mbs: list[MicroBatch]) -> Optional[list[torch.Tensor]]:
+        if not self.use_ref:
+            return None
+        self.model.eval()
         if self.ref_model is not None:
             return self._no_grad_log_probs(self.ref_model, mbs)
         from trainer.backends.lora import adapters_disabled
@@ -179,21 +177,36 @@ class FSDPBackend:
         with adapters_disabled(self.model):
             return self._no_grad_log_probs(self.model, mbs)
 
+    def _plan(self, batch: BatchLike, global_batch_size: Optional[int], skip=frozenset()):
+        return plan_step(batch, rank=self.rank, world_size=self.world_size,
+                         global_batch_size=global_batch_size,
+                         max_tokens=self.config.train.max_tokens_per_micro_batch,
+                         keep_groups=self.share_prompts, skip=skip)
+
     def log_probs(self, batch: BatchLike) -> list[torch.Tensor]:
         check_batch(batch)
-        plan = plan_step(batch, rank=self.rank, world_size=self.world_size,
-                         global_batch_size=None,
-                         max_tokens=self.config.train.max_tokens_per_micro_batch,
-                         keep_groups=self.share_prompts)[0]
+        plan = self._plan(batch, None)[0]
         mbs = [self._micro_batch(batch, ids) for ids in plan]
         self.model.eval()
         return per_sample_log_probs(mbs, self._no_grad_log_probs(self.model, mbs),
                                     num_samples=len(batch.tokens))
 
     # ----------------------------------------------------------------- training
-    def _set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+    # StepLoop's hooks; the loop itself is trainer.backends.rl_step.
+    def _policy_log_probs(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        self.model.eval()
+        return self._no_grad_log_probs(self.model, mbs)
+
+    def _accumulate(self, mbs: list[MicroBatch], loss_of, *, with_entropy: bool,
+                    entropy_grad: bool = False) -> None:
+        self.model.train()
+        for j, mb in enumerate(mbs):
+            logp, entropy = self._forward(self.model, mb, with_entropy=with_entropy,
+                                          entropy_grad=entropy_grad)
+            # Reduce-scatter only after the last micro-batch of the optimizer step.
+            self.model.set_requires_gradient_sync(j == len(mbs) - 1)
+            # FSDP averages gradients over ranks: scaling by world_size makes the SUM.
+            (loss_of(j, mb, logp, entropy) * self.world_size).backward()
 
     def _optimizer_step(self) -> float:
         """Clip, step, zero; returns the global grad norm (before clipping)."""
@@ -206,109 +219,14 @@ class FSDPBackend:
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    def _backward(self, loss: torch.Tensor, *, last: bool) -> None:
-        # FSDP averages gradients over ranks; the loss is already normalised by global
-        # counts, so scale by world_size to get the SUM that makes N ranks == 1 rank.
-        # Reduce-scatter only after the last micro-batch of the optimizer step.
-        self.model.set_requires_gradient_sync(last)
-        (loss * self.world_size).backward()
-
-    def _all_reduce_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        keys = sorted(sums)
-        if not keys:
+    def _all_reduce_metrics(self, sums: dict[str, torch.Tensor], keys) -> dict[str, float]:
+        # Every rank computes a loss, so the names present are the same on all of them.
+        names = sorted(sums)
+        if not names:
             return {}
-        flat = torch.stack([sums[k].detach().float().reshape(()) for k in keys]).to(self.device)
+        flat = torch.stack([sums[k].detach().float().reshape(()) for k in names]).to(self.device)
         dist.all_reduce(flat)
-        return {k: float(v) for k, v in zip(keys, flat.cpu())}
-
-    def train_step(self, batch: BatchLike) -> dict[str, float]:
-        """RL update on the whole rollout batch (``global_batch_size`` samples per step)."""
-        start = time.perf_counter()
-        check_batch(batch)
-        algo, train = self.config.algo, self.config.train
-        if algo.policy_loss == "sft":
-            return self.sft_step(batch)
-        ranges = minibatch_ranges(len(batch.tokens), train.global_batch_size)
-        skip = zero_advantage_samples(self.config, batch)
-        plan = plan_step(batch, rank=self.rank, world_size=self.world_size,
-                         global_batch_size=train.global_batch_size,
-                         max_tokens=train.max_tokens_per_micro_batch,
-                         keep_groups=self.share_prompts, skip=skip)
-        mbs = [[self._micro_batch(batch, ids) for ids in step] for step in plan]
-        flat_mbs = [mb for step in mbs for mb in step]
-
-        # Old log-probs come from a forward before any update when there are several
-        # optimizer steps per rollout; with one step, logp.detach() is exact and free.
-        self.model.eval()
-        ref = self._ref_log_probs(flat_mbs) if self.use_ref else None
-        kl_in_reward = algo.advantage_estimator == "reinforce_pp" and ref is not None
-        pre = (self._no_grad_log_probs(self.model, flat_mbs)
-               if len(ranges) > 1 or kl_in_reward else None)
-        old = pre if len(ranges) > 1 else None
-        advantages = micro_batch_advantages(self.config.algo, batch, flat_mbs, pre, ref,
-                                            self.device)
-
-        self.model.train()
-        sums: dict[str, torch.Tensor] = {}
-        grad_norms, lrs = [], []
-        k = 0
-        for step_range, step_mbs in zip(ranges, mbs):
-            norms = step_norms(batch, step_range, skip)
-            lr = lr_at(self.optimizer_steps, lr=train.lr, min_lr=train.min_lr,
-                       schedule=train.lr_schedule, warmup_steps=train.warmup_steps,
-                       total_steps=self.total_optimizer_steps)
-            self._set_lr(lr)
-            for j, mb in enumerate(step_mbs):
-                logp, entropy = self._forward(self.model, mb, with_entropy=True,
-                                              entropy_grad=algo.entropy_coef > 0)
-                inputs = TokenInputs(
-                    loss_mask=mb.loss_mask.to(self.device), seq_idx=mb.seq_idx.to(self.device),
-                    num_seqs=mb.num_seqs, advantages=advantages[k],
-                    old_log_probs=old[k] if old is not None else None,
-                    rollout_log_probs=mb.rollout_log_probs.to(self.device),
-                    rollout_mask=mb.rollout_mask.to(self.device),
-                    ref_log_probs=ref[k] if ref is not None else None)
-                loss, metrics = policy_objective(algo, inputs, logp, entropy, norms)
-                if mb.num_seqs == 0:  # padding micro-batch: run for the collectives only
-                    loss = logp.sum() * 0.0
-                    metrics = {}
-                self._backward(loss, last=j == len(step_mbs) - 1)
-                for name, value in metrics.items():
-                    sums[name] = sums.get(name, 0.0) + value
-                k += 1
-            grad_norms.append(self._optimizer_step())
-            lrs.append(lr)
-            self.optimizer_steps += 1
-        return train_step_metrics(self._all_reduce_metrics(sums), grad_norms=grad_norms,
-                                  lrs=lrs, start=start, skipped=len(skip))
-
-    def sft_step(self, batch: BatchLike) -> dict[str, float]:
-        """One supervised optimizer step at ``warmup.lr`` (the RL LR schedule is untouched)."""
-        start = time.perf_counter()
-        check_batch(batch)
-        plan = plan_step(batch, rank=self.rank, world_size=self.world_size,
-                         global_batch_size=None,
-                         max_tokens=self.config.train.max_tokens_per_micro_batch,
-                         keep_groups=self.share_prompts)[0]
-        norms = step_norms(batch, range(len(batch.tokens)))
-        self._set_lr(self.config.warmup.lr)
-        self.model.train()
-        sums: dict[str, torch.Tensor] = {}
-        for j, ids in enumerate(plan):
-            mb = self._micro_batch(batch, ids)
-            logp, _ = self._forward(self.model, mb, with_entropy=False)
-            loss, metrics = sft_objective(logp, mb.loss_mask.to(self.device), norms)
-            if mb.num_seqs == 0:
-                loss, metrics = logp.sum() * 0.0, {}
-            self._backward(loss, last=j == len(plan) - 1)
-            for name, value in metrics.items():
-                sums[name] = sums.get(name, 0.0) + value
-        grad_norm = self._optimizer_step()
-        self.sft_steps += 1
-        out = self._all_reduce_metrics(sums)
-        out.update({"train/grad_norm": grad_norm, "train/lr": self.config.warmup.lr,
-                    "perf/train_time": time.perf_counter() - start})
-        return out
+        return {k: float(v) for k, v in zip(names, flat.cpu())}
 
     # ----------------------------------------------------------------- weights
     def _full_state(self, device: str, *, adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

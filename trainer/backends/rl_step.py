@@ -1,14 +1,20 @@
-"""What every backend does around its own forward/backward, written once.
+"""The train step and the SFT step, written once for every backend.
 
-Advantages for the micro-batches of one rank (group statistics need no communication:
-every rank sees the whole batch; REINFORCE++ whitening all-reduces its moments), and the
-reassembly of per-sample log-probs computed on different ranks.
+``StepLoop`` is the outer loop of both: plan the micro-batches, old/reference log-probs,
+advantages, then per optimizer step its LR, the loss of each micro-batch
+(``trainer.algo.objective``), the optimizer step and the metrics. A backend subclasses it
+and supplies the hooks: how micro-batches are planned and built, how the model runs on
+them (forward and backward), the optimizer step and the metrics all-reduce.
+
+Also here: advantages for the micro-batches of one rank (group statistics need no
+communication: every rank sees the whole batch; REINFORCE++ whitening all-reduces its
+moments), and the reassembly of per-sample log-probs computed on different ranks.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,7 +22,10 @@ import torch.distributed as dist
 from trainer.algo.advantages import (
     SEQUENCE_ESTIMATORS, masked_whiten, reinforce_pp_returns, sequence_advantages)
 from trainer.algo.losses import kl_penalty
-from trainer.backends.batching import BatchLike, MicroBatch
+from trainer.algo.objective import TokenInputs, policy_objective, sft_objective
+from trainer.backends.batching import (
+    BatchLike, MicroBatch, check_batch, minibatch_ranges, step_norms)
+from trainer.backends.schedule import lr_at
 
 
 def micro_batch_advantages(algo, batch: BatchLike, mbs: list[MicroBatch],
@@ -104,3 +113,161 @@ def train_step_metrics(reduced: dict[str, float], *, grad_norms: list[float], lr
         out.setdefault(key, 0.0)
     out["perf/train_time"] = time.perf_counter() - start
     return out
+
+
+SFT_METRIC_KEYS = frozenset({"train/sft_loss"})
+
+
+def rl_metric_keys(algo, *, with_reference: bool) -> frozenset[str]:
+    """Every metric name ``policy_objective`` can emit with ``algo`` (AlgoConfig)."""
+    keys = {"train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/loss",
+            "train/rollout_logprob_abs_diff", "train/entropy"}
+    if algo.tis_clip is not None:
+        keys.add("train/tis_weight")
+    if with_reference:
+        keys.add("train/kl")
+    return frozenset(keys)
+
+
+# loss_of(j, mb, log_probs, entropy) -> the loss of micro-batch j of an optimizer step.
+LossOf = Callable[[int, MicroBatch, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+
+
+def _add(sums: dict, metrics: dict) -> None:
+    for name, value in metrics.items():
+        sums[name] = sums.get(name, 0.0) + value.detach()
+
+
+class StepLoop:
+    """``train_step`` and ``sft_step`` of a backend, over its hooks (the ``_`` methods
+    below that raise). The backend's ``init`` sets ``config``, ``device``, ``optimizer``,
+    ``optimizer_steps`` (RL steps: the LR schedule's position), ``sft_steps`` and
+    ``total_optimizer_steps`` (``schedule.total_optimizer_steps``)."""
+
+    # ----------------------------------------------------------------- hooks
+    def _begin_step(self) -> None:
+        """Before a step touches the model (e.g. bring offloaded state back)."""
+
+    def _plan(self, batch: BatchLike, global_batch_size: Optional[int],
+              skip=frozenset()) -> list[list[list[int]]]:
+        """This rank's micro-batches (sample ids) per optimizer step (``plan_step``)."""
+        raise NotImplementedError
+
+    def _micro_batch(self, batch: BatchLike, sample_ids: list[int]) -> MicroBatch:
+        raise NotImplementedError
+
+    def _ref_log_probs(self, mbs: list[MicroBatch]) -> Optional[list[torch.Tensor]]:
+        """The reference model's flat log-probs per micro-batch; None without one."""
+        raise NotImplementedError
+
+    def _policy_log_probs(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        """The current policy's flat log-probs per micro-batch, without grad."""
+        raise NotImplementedError
+
+    def _accumulate(self, mbs: list[MicroBatch], loss_of: LossOf, *, with_entropy: bool,
+                    entropy_grad: bool = False) -> None:
+        """Forward and backward of one optimizer step's micro-batches, gradients synced
+        over data-parallel ranks at the end. ``loss_of``'s losses are normalised by the
+        step's global counts, so gradients must add up as their plain SUM over
+        micro-batches and ranks (undo any averaging the backend does)."""
+        raise NotImplementedError
+
+    def _optimizer_step(self) -> float:
+        """Clip, step; returns the global grad norm (before clipping)."""
+        raise NotImplementedError
+
+    def _all_reduce_metrics(self, sums: dict[str, torch.Tensor],
+                            keys: frozenset[str]) -> dict[str, float]:
+        """SUM over data-parallel ranks of the metric sums. ``keys``: every name this
+        step can emit (for ranks that compute no loss, e.g. early pipeline stages)."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- steps
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def train_step(self, batch: BatchLike) -> dict[str, float]:
+        """RL update on the whole rollout batch (``global_batch_size`` samples per
+        optimizer step)."""
+        start = time.perf_counter()
+        check_batch(batch)
+        self._begin_step()
+        algo, train = self.config.algo, self.config.train
+        if algo.policy_loss == "sft":
+            return self.sft_step(batch)
+        ranges = minibatch_ranges(len(batch.tokens), train.global_batch_size)
+        skip = zero_advantage_samples(self.config, batch)
+        plan = self._plan(batch, train.global_batch_size, skip)
+        mbs = [[self._micro_batch(batch, ids) for ids in step] for step in plan]
+        flat_mbs = [mb for step in mbs for mb in step]
+
+        # Old log-probs come from a forward before any update when there are several
+        # optimizer steps per rollout; with one step, logp.detach() is exact and free.
+        ref = self._ref_log_probs(flat_mbs)
+        kl_in_reward = algo.advantage_estimator == "reinforce_pp" and ref is not None
+        pre = (self._policy_log_probs(flat_mbs)
+               if len(ranges) > 1 or kl_in_reward else None)
+        old = pre if len(ranges) > 1 else None
+        advantages = micro_batch_advantages(algo, batch, flat_mbs, pre, ref, self.device)
+
+        sums: dict[str, torch.Tensor] = {}
+        grad_norms, lrs = [], []
+        base = 0  # index of the step's first micro-batch in flat_mbs
+        for step_range, step_mbs in zip(ranges, mbs):
+            norms = step_norms(batch, step_range, skip)
+            lr = lr_at(self.optimizer_steps, lr=train.lr, min_lr=train.min_lr,
+                       schedule=train.lr_schedule, warmup_steps=train.warmup_steps,
+                       total_steps=self.total_optimizer_steps)
+            self._set_lr(lr)
+
+            def loss_of(j, mb, logp, entropy, base=base, norms=norms):
+                if mb.num_seqs == 0:  # padding micro-batch: runs for the collectives only
+                    return logp.sum() * 0.0
+                k, dev = base + j, self.device
+                inputs = TokenInputs(
+                    loss_mask=mb.loss_mask.to(dev), seq_idx=mb.seq_idx.to(dev),
+                    num_seqs=mb.num_seqs, advantages=advantages[k],
+                    old_log_probs=old[k] if old is not None else None,
+                    rollout_log_probs=mb.rollout_log_probs.to(dev),
+                    rollout_mask=mb.rollout_mask.to(dev),
+                    ref_log_probs=ref[k] if ref is not None else None)
+                loss, metrics = policy_objective(algo, inputs, logp, entropy, norms)
+                _add(sums, metrics)
+                return loss
+
+            self._accumulate(step_mbs, loss_of, with_entropy=True,
+                             entropy_grad=algo.entropy_coef > 0)
+            grad_norms.append(self._optimizer_step())
+            lrs.append(lr)
+            self.optimizer_steps += 1
+            base += len(step_mbs)
+        keys = rl_metric_keys(algo, with_reference=ref is not None)
+        return train_step_metrics(self._all_reduce_metrics(sums, keys), grad_norms=grad_norms,
+                                  lrs=lrs, start=start, skipped=len(skip))
+
+    def sft_step(self, batch: BatchLike) -> dict[str, float]:
+        """One supervised optimizer step at ``warmup.lr`` (the RL LR schedule is untouched):
+        mean NLL over loss_mask tokens."""
+        start = time.perf_counter()
+        check_batch(batch)
+        self._begin_step()
+        mbs = [self._micro_batch(batch, ids) for ids in self._plan(batch, None)[0]]
+        norms = step_norms(batch, range(len(batch.tokens)))
+        self._set_lr(self.config.warmup.lr)
+        sums: dict[str, torch.Tensor] = {}
+
+        def loss_of(j, mb, logp, entropy):
+            if mb.num_seqs == 0:
+                return logp.sum() * 0.0
+            loss, metrics = sft_objective(logp, mb.loss_mask.to(self.device), norms)
+            _add(sums, metrics)
+            return loss
+
+        self._accumulate(mbs, loss_of, with_entropy=False)
+        grad_norm = self._optimizer_step()
+        self.sft_steps += 1
+        out = self._all_reduce_metrics(sums, SFT_METRIC_KEYS)
+        out.update({"train/grad_norm": grad_norm, "train/lr": self.config.warmup.lr,
+                    "perf/train_time": time.perf_counter() - start})
+        return out

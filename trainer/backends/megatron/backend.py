@@ -5,11 +5,12 @@ by it over all ranks; Megatron's TP/PP/CP/DP/EP groups are carved out of that he
 
 Shared with the FSDP backend, not duplicated: batching and data-parallel sharding
 (``trainer.backends.batching``, with the DP rank/size instead of the global ones), the
-loss of a micro-batch (``trainer.algo.objective``), advantages (``trainer.backends.rl_step``
-is reused as-is; its whitening all-reduce is over all ranks, and the identical copies on
-TP/PP replicas scale every moment alike, so mean and std are unchanged) and the LR
-schedule. Megatron-specific: the model, the pipeline schedule, vocab-parallel log-probs,
-the HF weight map, the optimizer and the checkpoint format.
+loss of a micro-batch (``trainer.algo.objective``), the train/SFT step loop and advantages
+(``trainer.backends.rl_step``, this class supplies its hooks; the whitening all-reduce is
+over all ranks, and the identical copies on TP/PP replicas scale every moment alike, so
+mean and std are unchanged) and the LR schedule. Megatron-specific: the model, the
+pipeline schedule, vocab-parallel log-probs, the HF weight map, the optimizer and the
+checkpoint format.
 
 Micro-batches: on GPU with Transformer Engine, each micro-batch's samples are packed into
 one row (THD, ``PackedSeqParams`` with cu_seqlens, no padding); with the local layer spec
@@ -30,22 +31,18 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections import OrderedDict
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from trainer.algo.objective import TokenInputs, policy_objective, sft_objective
 from trainer.backends.base import NamedTensors
 from trainer.backends.batching import (
-    BatchLike, MicroBatch, build_micro_batch, check_batch, minibatch_ranges, plan_step,
-    step_norms)
+    BatchLike, MicroBatch, build_micro_batch, check_batch, plan_step)
 from trainer.backends.megatron import hf_map
-from trainer.backends.rl_step import (
-    micro_batch_advantages, per_sample_log_probs, train_step_metrics, zero_advantage_samples)
-from trainer.backends.schedule import lr_at
+from trainer.backends.rl_step import StepLoop, per_sample_log_probs
+from trainer.backends.schedule import total_optimizer_steps
 
 log = logging.getLogger("homegym.megatron")
 
@@ -81,7 +78,7 @@ def all_reduce_metric_sums(sums: dict, keys, *, contributes: bool, group=None) -
     return dict(zip(keys, flat.cpu().tolist()))
 
 
-class MegatronBackend:
+class MegatronBackend(StepLoop):
     """One training rank. Call ``init`` after ``torch.distributed`` is initialised."""
 
     # ----------------------------------------------------------------- setup
@@ -172,9 +169,7 @@ class MegatronBackend:
             self.tconfig.grad_scale_func = self.optimizer.scale_loss
         self.optimizer_steps = 0
         self.sft_steps = 0
-        samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
-        per_rollout = samples // (train.global_batch_size or samples)
-        self.total_optimizer_steps = max(train.num_steps * per_rollout, 1)
+        self.total_optimizer_steps = total_optimizer_steps(config.rollout, train)
         from trainer.backends.megatron.offload import StateOffloader
 
         self.offloader = StateOffloader(self.device, pin=not self.cpu)
@@ -303,16 +298,35 @@ class MegatronBackend:
     def log_probs(self, batch: BatchLike) -> list[torch.Tensor]:
         check_batch(batch)
         self._ensure_onloaded()
-        plan = self._plan(batch, None)[0]
-        mbs = [build_micro_batch(batch, ids, pad_token_id=self.pad_token_id) for ids in plan]
+        mbs = [self._micro_batch(batch, ids) for ids in self._plan(batch, None)[0]]
         lps = self._forward_log_probs(self.model, mbs)
         return per_sample_log_probs(mbs, lps, num_samples=len(batch.tokens),
                                     contribute=self.is_last and self.tp_rank == 0)
 
     # ----------------------------------------------------------------- training
-    def _set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+    # StepLoop's hooks; the loop itself is trainer.backends.rl_step.
+    def _begin_step(self) -> None:
+        self._ensure_onloaded()
+
+    def _micro_batch(self, batch: BatchLike, sample_ids: list[int]) -> MicroBatch:
+        return build_micro_batch(batch, sample_ids, pad_token_id=self.pad_token_id)
+
+    def _ref_log_probs(self, mbs: list[MicroBatch]) -> Optional[list[torch.Tensor]]:
+        return self._forward_log_probs(self.ref, mbs) if self.ref is not None else None
+
+    def _policy_log_probs(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        return self._forward_log_probs(self.model, mbs)
+
+    def _accumulate(self, mbs: list[MicroBatch], loss_of, *, with_entropy: bool,
+                    entropy_grad: bool = False) -> None:
+        def loss_fn(j, mb, logits, row, col):
+            logp, entropy = self._token_log_probs(logits, mb, row, col, with_entropy=with_entropy,
+                                                  entropy_grad=entropy_grad)
+            return loss_of(j, mb, logp, entropy)
+
+        self.model.train()
+        self._zero_grad()
+        self._run(self.model, mbs, loss_fn, forward_only=False)
 
     def _optimizer_step(self) -> float:
         ok, grad_norm, _ = self.optimizer.step()
@@ -324,120 +338,13 @@ class MegatronBackend:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def _all_reduce_metrics(self, sums: dict[str, torch.Tensor],
-                            keys: Optional[set[str]] = None) -> dict[str, float]:
+    def _all_reduce_metrics(self, sums: dict[str, torch.Tensor], keys) -> dict[str, float]:
         """Sum over DP ranks of the last stage's metrics (TP ranks hold identical copies).
-        The world group's device: CUDA under NCCL, CPU under gloo."""
-        keys = self.config_metric_keys if keys is None else keys
+        Every rank reduces the vector of all ``keys``, also stages that compute no loss."""
         unknown = set(sums) - set(keys)
         if unknown:  # every rank must all-reduce the same vector: keep the list complete
-            raise RuntimeError(f"metrics {sorted(unknown)} missing from config_metric_keys")
+            raise RuntimeError(f"metrics {sorted(unknown)} missing from the step's metric keys")
         return all_reduce_metric_sums(sums, keys, contributes=self.is_last and self.tp_rank == 0)
-
-    @property
-    def config_metric_keys(self) -> set[str]:
-        """Every metric name the objective can emit with this config (all ranks must
-        all-reduce the same vector, also stages that never compute a loss)."""
-        algo = self.config.algo
-        if algo.policy_loss == "sft":
-            return {"train/sft_loss"}
-        keys = {"train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/loss",
-                "train/rollout_logprob_abs_diff", "train/entropy"}
-        if algo.tis_clip is not None:
-            keys.add("train/tis_weight")
-        if self.ref is not None:
-            keys.add("train/kl")
-        return keys
-
-    def train_step(self, batch: BatchLike) -> dict[str, float]:
-        start = time.perf_counter()
-        check_batch(batch)
-        self._ensure_onloaded()
-        algo, train = self.config.algo, self.config.train
-        if algo.policy_loss == "sft":
-            return self.sft_step(batch)
-        ranges = minibatch_ranges(len(batch.tokens), train.global_batch_size)
-        skip = zero_advantage_samples(self.config, batch)
-        plan = self._plan(batch, train.global_batch_size, skip)
-        mbs = [[build_micro_batch(batch, ids, pad_token_id=self.pad_token_id) for ids in step]
-               for step in plan]
-        flat_mbs = [mb for step in mbs for mb in step]
-
-        ref = self._forward_log_probs(self.ref, flat_mbs) if self.ref is not None else None
-        kl_in_reward = algo.advantage_estimator == "reinforce_pp" and ref is not None
-        pre = (self._forward_log_probs(self.model, flat_mbs)
-               if len(ranges) > 1 or kl_in_reward else None)
-        old = pre if len(ranges) > 1 else None
-        advantages = micro_batch_advantages(self.config.algo, batch, flat_mbs, pre, ref,
-                                            self.device)
-
-        sums: dict[str, torch.Tensor] = {}
-        grad_norms, lrs = [], []
-        base = 0
-        for step_range, step_mbs in zip(ranges, mbs):
-            norms = step_norms(batch, step_range, skip)
-            lr = lr_at(self.optimizer_steps, lr=train.lr, min_lr=train.min_lr,
-                       schedule=train.lr_schedule, warmup_steps=train.warmup_steps,
-                       total_steps=self.total_optimizer_steps)
-            self._set_lr(lr)
-
-            def loss_fn(j, mb, logits, row, col, base=base, norms=norms):
-                k = base + j
-                logp, entropy = self._token_log_probs(
-                    logits, mb, row, col, with_entropy=True, entropy_grad=algo.entropy_coef > 0)
-                dev = self.device
-                inputs = TokenInputs(
-                    loss_mask=mb.loss_mask.to(dev), seq_idx=mb.seq_idx.to(dev),
-                    num_seqs=mb.num_seqs, advantages=advantages[k],
-                    old_log_probs=old[k] if old is not None else None,
-                    rollout_log_probs=mb.rollout_log_probs.to(dev),
-                    rollout_mask=mb.rollout_mask.to(dev),
-                    ref_log_probs=ref[k] if ref is not None else None)
-                loss, metrics = policy_objective(algo, inputs, logp, entropy, norms)
-                if mb.num_seqs == 0:  # padding micro-batch: runs for the collectives only
-                    return logp.sum() * 0.0
-                for name, value in metrics.items():
-                    sums[name] = sums.get(name, 0.0) + value.detach()
-                return loss
-
-            self.model.train()
-            self._zero_grad()
-            self._run(self.model, step_mbs, loss_fn, forward_only=False)
-            grad_norms.append(self._optimizer_step())
-            lrs.append(lr)
-            self.optimizer_steps += 1
-            base += len(step_mbs)
-        return train_step_metrics(self._all_reduce_metrics(sums), grad_norms=grad_norms,
-                                  lrs=lrs, start=start, skipped=len(skip))
-
-    def sft_step(self, batch: BatchLike) -> dict[str, float]:
-        start = time.perf_counter()
-        check_batch(batch)
-        self._ensure_onloaded()
-        plan = self._plan(batch, None)[0]
-        mbs = [build_micro_batch(batch, ids, pad_token_id=self.pad_token_id) for ids in plan]
-        norms = step_norms(batch, range(len(batch.tokens)))
-        self._set_lr(self.config.warmup.lr)
-        sums: dict[str, torch.Tensor] = {}
-
-        def loss_fn(k, mb, logits, row, col):
-            logp, _ = self._token_log_probs(logits, mb, row, col, with_entropy=False)
-            loss, metrics = sft_objective(logp, mb.loss_mask.to(self.device), norms)
-            if mb.num_seqs == 0:
-                return logp.sum() * 0.0
-            for name, value in metrics.items():
-                sums[name] = sums.get(name, 0.0) + value.detach()
-            return loss
-
-        self.model.train()
-        self._zero_grad()
-        self._run(self.model, mbs, loss_fn, forward_only=False)
-        grad_norm = self._optimizer_step()
-        self.sft_steps += 1
-        out = self._all_reduce_metrics(sums, {"train/sft_loss"})
-        out.update({"train/grad_norm": grad_norm, "train/lr": self.config.warmup.lr,
-                    "perf/train_time": time.perf_counter() - start})
-        return out
 
     # ----------------------------------------------------------------- weights
     def _export_layout(self) -> list[tuple[int, str]]:
