@@ -14,7 +14,8 @@ from typing import Any, Optional, Sequence
 from envs.base import Environment
 from rollout.plugins import get_env_class
 from rollout.data import DataSource
-from rollout.generate import ChatRenderer, Episode, run_episode
+from rollout.chat import ChatRenderer
+from rollout.generate import Episode, run_episode
 from rollout.sample import Sample
 
 

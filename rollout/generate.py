@@ -1,140 +1,23 @@
-"""Talking to the engines: ``post``, ``GenerateState``, the default generate, the env driver.
-
-Request path, kept lean because a step is many tiny requests (64 episodes x 6 turns x ~5
-tokens on a 1M-param model, where HTTP/Python overhead dominates): one aiohttp session per
-process and event loop, ``input_ids`` (never text), and each turn only *appends* token ids
-to the sample -- the growing context is never re-tokenized.
+"""Generating samples: ``GenerateState``, the engine policy, the episode driver and the
+default generate.
 
 The episode driver is written against a policy, ``async act(token_ids, max_new_tokens) ->
-(output_ids, logprobs, finish_type)``: ``EnginePolicy`` calls the engines, and the scripted
-players in rollout/demos.py run the very same episode code, so warm-up transcripts have
-exactly the token layout of RL rollouts.
+(output_ids, logprobs, finish_type)``: ``EnginePolicy`` calls the engines (through
+rollout.http's ``post``), and the scripted players in rollout/demos.py run the very same
+episode code, so warm-up transcripts have exactly the token layout of RL rollouts. Each
+turn only *appends* token ids to the sample: the growing context is never re-tokenized.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
-from urllib.parse import urlsplit
 
-import aiohttp
-
-from rollout.engines.client import EngineError, backoff_delays, may_retry
+from rollout.chat import ChatRenderer, load_tokenizer
+from rollout.engines.client import EngineError
+from rollout.http import parse_weight_version, post
 from rollout.sample import Sample
-
-logger = logging.getLogger(__name__)
-
-# --------------------------------------------------------------------------------------
-# HTTP
-# --------------------------------------------------------------------------------------
-
-_SESSIONS: dict[int, aiohttp.ClientSession] = {}
-# Names for base URLs in error messages (the manager names its router); others read host:port.
-ENDPOINT_NAMES: dict[str, str] = {}
-# Requests of this process sent again after a failure (the manager reports it per step).
-RETRIES = {"requests": 0}
-
-
-class _AbortSwitch:
-    """Process-wide "the step is over" switch. While on, ``post`` answers /generate with an
-    abort response without sending it, so episodes (built-in or user code) that are between
-    turns when the manager aborts stop at their next request instead of slipping past
-    ``abort_request``."""
-
-    on = False
-
-
-ABORT = _AbortSwitch()
-# The newest weight version any /generate answer reported in this process: stamps samples
-# from user generate functions that do not record it themselves.
-LAST_WEIGHT_VERSION: list[Optional[int]] = [None]
-
-
-def _abort_response() -> dict:
-    return {"text": "", "output_ids": [],
-            "meta_info": {"finish_reason": {"type": "abort"}, "prompt_tokens": 0,
-                          "completion_tokens": 0, "output_token_logprobs": []}}
-
-
-def get_session() -> aiohttp.ClientSession:
-    """The aiohttp session of the running event loop (a session is bound to its loop)."""
-    loop = asyncio.get_running_loop()
-    session = _SESSIONS.get(id(loop))
-    if session is None or session.closed:
-        # limit=0: concurrency is bounded by GenerateState's semaphore, not the pool.
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        session = aiohttp.ClientSession(connector=connector,
-                                        timeout=aiohttp.ClientTimeout(total=None))
-        _SESSIONS[id(loop)] = session
-    return session
-
-
-async def close_session() -> None:
-    session = _SESSIONS.pop(id(asyncio.get_running_loop()), None)
-    if session is not None:
-        await session.close()
-
-
-def _where(url: str) -> tuple[str, str]:
-    """(endpoint name, route) of ``url``, for error messages."""
-    parts = urlsplit(url)
-    base = f"{parts.scheme}://{parts.netloc}"
-    return ENDPOINT_NAMES.get(base, parts.netloc), parts.path or "/"
-
-
-async def post(url: str, payload: Optional[dict] = None, *, max_retries: int = 8,
-               method: str = "POST") -> Any:
-    """POST JSON and return the decoded JSON answer (or text when it is not JSON).
-
-    Failures are retried with exponential backoff and jitter where repeating the request
-    is safe (``rollout.engines.client.may_retry``): a /generate on any 5xx or dropped
-    connection -- an engine that dies mid-request costs a retry on another engine, not
-    the sample -- and any request that never reached a server (refused connection, 503).
-    Otherwise, or once the retries are spent, ``EngineError`` names the engine (or router)
-    and route, with the status and the server's message.
-    """
-    if ABORT.on and url.endswith("/generate"):
-        return _abort_response()
-    session = get_session()
-    name, route = _where(url)
-    delays = backoff_delays(max_retries, first_s=0.05, cap_s=2.0)
-    for attempt in range(max_retries + 1):
-        tries = f" after {attempt + 1} attempts" if attempt else ""
-        try:
-            async with session.request(method, url, json=payload) as resp:
-                if resp.status < 400:
-                    if resp.content_type == "application/json":
-                        out = await resp.json()
-                        if isinstance(out, dict) and "meta_info" in out:
-                            version = parse_weight_version(out["meta_info"].get("weight_version"))
-                            if version is not None:
-                                LAST_WEIGHT_VERSION[0] = version
-                        return out
-                    body = await resp.text()
-                    try:
-                        return json.loads(body)
-                    except ValueError:
-                        return body
-                body = await resp.text()
-                if attempt == max_retries or not may_retry(method, route, resp.status):
-                    raise EngineError(f"{method} {url} -> HTTP {resp.status}{tries}: "
-                                      f"{body[:500]}", status=resp.status, engine=name,
-                                      route=route)
-        # ClientPayloadError: the connection dropped mid-answer (an engine died while
-        # streaming its reply through the router): the request is retried, and the
-        # router sends it to a live engine.
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
-                asyncio.TimeoutError) as e:
-            connected = not isinstance(e, aiohttp.ClientConnectorError)
-            if attempt == max_retries or not may_retry(method, route, None, connected=connected):
-                raise EngineError(f"{method} {url}: unreachable{tries}: {e!r}",
-                                  engine=name, route=route) from e
-        RETRIES["requests"] += 1
-        await asyncio.sleep(delays[attempt])
-    raise AssertionError("unreachable")
 
 
 # --------------------------------------------------------------------------------------
@@ -151,7 +34,6 @@ class GenerateState:
 
     # The cached state holds its config, so the id() in the key cannot be reused.
     _cache: dict[tuple, "GenerateState"] = {}
-    _tokenizers: dict[str, Any] = {}
 
     def __new__(cls, args: Any) -> "GenerateState":
         key = (id(args.config), args.router_url)
@@ -166,18 +48,12 @@ class GenerateState:
         pass
 
     def _init(self, args: Any) -> None:
-        from transformers import AutoTokenizer
-
         from rollout.models import resolve_model_path
 
         cfg = args.config
         self.args = args
         self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-        tokenizer = self._tokenizers.get(self.model_path)
-        if tokenizer is None:
-            tokenizer = self._tokenizers[self.model_path] = AutoTokenizer.from_pretrained(
-                self.model_path)
-        self.tokenizer = tokenizer
+        self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_id: int = self.tokenizer.eos_token_id
         self.router_url: str = args.router_url
         self.generate_url = f"{self.router_url}/generate"
@@ -199,7 +75,7 @@ class GenerateState:
         return sem
 
     @property
-    def renderer(self) -> "ChatRenderer":
+    def renderer(self) -> ChatRenderer:
         if self._renderer is None:
             self._renderer = ChatRenderer(self.tokenizer, self.chat_template_kwargs)
         return self._renderer
@@ -216,78 +92,12 @@ def sampling_params_from(temperature: float, top_p: float, top_k: int, max_new_t
 
 
 # --------------------------------------------------------------------------------------
-# Rendering environment observations as chat turns
-# --------------------------------------------------------------------------------------
-
-class ChatRenderer:
-    """Token ids of "a user turn holding an observation, then the assistant's header".
-
-    Derived once from the tokenizer's own chat template (so Qwen3's template, with e.g.
-    ``enable_thinking=False`` adding an empty think block, works as well as ChatML):
-    a conversation with sentinel texts is rendered and split around the sentinels.
-    Per observation only the observation text itself is tokenized.
-    """
-
-    _U, _A, _O = "\u2063HGUSER\u2063", "\u2063HGASSISTANT\u2063", "\u2063HGOBS\u2063"
-
-    def __init__(self, tokenizer: Any, chat_template_kwargs: Optional[dict] = None) -> None:
-        self.tokenizer = tokenizer
-        self.kwargs = dict(chat_template_kwargs or {})
-        eos = tokenizer.eos_token
-        if eos is None:
-            raise ValueError("the tokenizer has no eos_token; multi-turn rendering needs one")
-        msgs = [{"role": "user", "content": self._U}, {"role": "assistant", "content": self._A},
-                {"role": "user", "content": self._O}]
-        full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
-                                             **self.kwargs)
-        after = full[full.index(self._A) + len(self._A):]
-        end = after.find(eos)
-        if end < 0:
-            raise ValueError(f"the chat template does not end assistant turns with the eos "
-                             f"token {eos!r}; cannot render observations token-in/token-out")
-        # What closes an assistant turn (normally just eos): used when the model stopped
-        # without emitting eos (a stop string).
-        self.close_text = after[:end + len(eos)]
-        pre, _, post = after[end + len(eos):].partition(self._O)
-        self.pre_text, self.post_text = pre, post
-        enc = lambda t: tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
-        self._enc = enc
-        self.close_ids: list[int] = enc(self.close_text)
-        self.pre_ids: list[int] = enc(pre)
-        self.post_ids: list[int] = enc(post)
-        self.eos_token_id: int = tokenizer.eos_token_id
-        self._obs_cache: dict[str, list[int]] = {}
-
-    def observation_ids(self, observation: str, model_closed_turn: bool) -> list[int]:
-        head = self.pre_ids if model_closed_turn else self.close_ids + self.pre_ids
-        # Game observations repeat ("<feedback>higher</feedback>"): encode each text once.
-        ids = self._obs_cache.get(observation)
-        if ids is None:
-            ids = self._enc(observation)
-            if len(self._obs_cache) < 4096:
-                self._obs_cache[observation] = ids
-        return head + ids + self.post_ids
-
-    def prompt_ids(self, messages: list[dict]) -> tuple[str, list[int]]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True, **self.kwargs)
-        return text, self._enc(text)
-
-
-# --------------------------------------------------------------------------------------
 # Policies
 # --------------------------------------------------------------------------------------
 
 class Policy(Protocol):
     async def act(self, token_ids: list[int], max_new_tokens: int
                   ) -> tuple[list[int], list[float], str]: ...
-
-
-def parse_weight_version(value: Any) -> Optional[int]:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
 
 
 class EnginePolicy:

@@ -18,7 +18,7 @@ tokens are kept, the environment object too); a sample from a custom generate fu
 restarts from its prompt (its state lives inside user code). Without it they are dropped.
 Samples are stamped with the weight version of their oldest token.
 
-The abort switch (rollout.generate.ABORT) is process-wide: run one ``generate`` or
+The abort switch (rollout.http.ABORT) is process-wide: run one ``generate`` or
 ``evaluate`` at a time per manager process (the training loop does).
 """
 
@@ -35,12 +35,12 @@ from typing import Any, Callable, Optional
 import ray
 
 from rollout.plugins import get_env_class, load_object
-from rollout import generate as gen
 from rollout.args import RolloutArgs, load_plugin
 from rollout.data import DataSource
 from rollout.ledger import Ledger, key_of
-from rollout.generate import (ABORT, EnginePolicy, Episode, GenerateState, post, run_episode,
+from rollout.generate import (EnginePolicy, Episode, GenerateState, run_episode,
                               sampling_params_from)
+from rollout.http import ABORT, ENDPOINT_NAMES, LAST_WEIGHT_VERSION, RETRIES, post
 from rollout.sample import RolloutBatch, Sample
 
 logger = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ class RolloutManagerCore:
         r = config.rollout
         self.args = RolloutArgs(config, router_url)
         self.state = GenerateState(self.args)
-        gen.ENDPOINT_NAMES[self.state.router_url] = "router"
+        ENDPOINT_NAMES[self.state.router_url] = "router"
         self.env_cls = None if config.env.name in _NO_ENV else get_env_class(config.env.name)
         self.custom_generate = (load_plugin(r.custom_generate_function,
                                             "rollout.custom_generate_function")
@@ -252,7 +252,7 @@ class RolloutManagerCore:
                     out = await self.custom_generate(self.args, ep.sample,
                                                      dict(sampling_params))
             samples = list(out) if isinstance(out, (list, tuple)) else [out]
-            version = gen.LAST_WEIGHT_VERSION[0]
+            version = LAST_WEIGHT_VERSION[0]
             for s in samples:
                 if not isinstance(s, Sample):
                     raise TypeError(f"rollout.custom_generate_function returned "
@@ -406,7 +406,7 @@ class RolloutManagerCore:
         r = self.config.rollout
         t0 = time.perf_counter()
         stats = _StepStats()
-        retries_before = gen.RETRIES["requests"]
+        retries_before = RETRIES["requests"]
         sampling_params = dict(self.state.sampling_params)
         want = r.rollout_batch_size
         in_flight_target = r.over_sampling_batch_size or want
@@ -462,7 +462,7 @@ class RolloutManagerCore:
             "rollout/resumed_groups": float(stats.resumed),
             "rollout/buffered_groups": float(len(self.buffer)),
             "rollout/accepted_groups": float(len(accepted)),
-            "rollout/request_retries": float(gen.RETRIES["requests"] - retries_before),
+            "rollout/request_retries": float(RETRIES["requests"] - retries_before),
             "perf/rollout_time": elapsed,
             "perf/tokens_per_s": stats.model_tokens / elapsed if elapsed > 0 else 0.0,
         })

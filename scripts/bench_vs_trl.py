@@ -223,7 +223,7 @@ def run_trl(args, model_path: str, task: str, out: Path) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from envs.number_guess import PROMPT, TRAIN_TARGETS, NumberGuessEnv
-    from rollout.generate import ChatRenderer
+    from rollout.chat import ChatRenderer
 
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,

@@ -33,7 +33,7 @@ async def start_decoding(router_url: str, coro, steps: int = 5):
     check where a fixed sleep would race a fast engine."""
     import asyncio
 
-    from rollout.generate import post
+    from rollout.http import post
 
     async def decode_steps(urls):
         return sum([(await post(f"{u}/get_server_info", method="GET"))["decode_steps"]

@@ -4,8 +4,8 @@ import asyncio
 
 from envs.base import Environment
 from envs.number_guess import NumberGuessEnv
-from rollout.generate import ABORT
 from rollout.generate import generate as default_generate
+from rollout.http import ABORT
 
 
 async def group_parity_rm(args, sample, **kwargs) -> float:

@@ -13,8 +13,8 @@ import pytest
 import ray
 import torch
 
-from rollout.generate import close_session
 from rollout.generate import generate as default_generate
+from rollout.http import close_session
 from rollout.manager import RolloutManagerCore
 from rollout_engines import config, start_decoding
 

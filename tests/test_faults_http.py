@@ -16,9 +16,9 @@ import time
 import pytest
 from aiohttp import web
 
-from rollout import generate as gen
+from rollout import http
 from rollout.engines.client import EngineClient, EngineError
-from rollout.generate import close_session, post
+from rollout.http import close_session, post
 
 
 @contextlib.contextmanager
@@ -66,10 +66,10 @@ def test_post_retries_generate_on_5xx_and_names_engine_and_route_when_spent():
                 "/update_weights_from_disk": (500, 100), "/init_weights_update_group": (503, 1), "/abort_request": (400, 100)}
     with flaky_server(failures) as (url, hits):
         async def go():
-            before = gen.RETRIES["requests"]
+            before = http.RETRIES["requests"]
             out = await post(f"{url}/generate", {"input_ids": [1]})
             assert out["text"] == "ok" and hits["/generate"] == 3
-            assert gen.RETRIES["requests"] - before == 2
+            assert http.RETRIES["requests"] - before == 2
             # Retried until the attempts are spent, then an error naming where.
             with pytest.raises(EngineError) as err:
                 await post(f"{url}/v1/chat/completions", {}, max_retries=2)
@@ -89,12 +89,12 @@ def test_post_retries_generate_on_5xx_and_names_engine_and_route_when_spent():
             await post(f"{url}/init_weights_update_group", {})
             assert hits["/init_weights_update_group"] == 2
             # A named endpoint (the manager names its router) is named in the error.
-            gen.ENDPOINT_NAMES[url] = "router"
+            http.ENDPOINT_NAMES[url] = "router"
             try:
                 with pytest.raises(EngineError, match=r"^router /v1/chat/completions: "):
                     await post(f"{url}/v1/chat/completions", {}, max_retries=0)
             finally:
-                del gen.ENDPOINT_NAMES[url]
+                del http.ENDPOINT_NAMES[url]
             await close_session()
         asyncio.run(go())
 
@@ -145,11 +145,11 @@ def test_generate_through_router_rides_out_engines_answering_503(ray_local, tiny
             with pytest.raises(EngineError) as err:
                 await post(f"{group.router_url}/generate", payload, max_retries=1)
             assert err.value.status == 503 and err.value.route == "/generate"
-            before = gen.RETRIES["requests"]
+            before = http.RETRIES["requests"]
             task = asyncio.create_task(post(f"{group.router_url}/generate", payload,
                                             max_retries=20))
             deadline = time.monotonic() + 30
-            while gen.RETRIES["requests"] - before < 2:  # seen failing, and retrying
+            while http.RETRIES["requests"] - before < 2:  # seen failing, and retrying
                 assert time.monotonic() < deadline and not task.done()
                 await asyncio.sleep(0.01)
             def back() -> None:

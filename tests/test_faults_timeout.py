@@ -12,7 +12,7 @@ import time
 import pytest
 
 from envs.number_guess import NumberGuessEnv
-from rollout.generate import close_session
+from rollout.http import close_session
 from rollout.manager import RolloutManagerCore
 from rollout_engines import config, engines
 

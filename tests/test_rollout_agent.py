@@ -14,7 +14,8 @@ from rollout.agent import (Call, HistoryRewriteError, ScriptedChatPolicy, Sessio
                            ToolCall, Trace, build_samples, format_tool_calls,
                            parse_tool_calls, run_agent)
 from rollout.args import RolloutArgs
-from rollout.generate import ABORT, EnginePolicy, GenerateState, close_session
+from rollout.generate import EnginePolicy, GenerateState
+from rollout.http import ABORT, close_session
 from rollout.sample import Sample
 from rollout_engines import engines
 

@@ -5,7 +5,8 @@ import asyncio
 import pytest
 
 from rollout.demos import make_demos
-from rollout.generate import ChatRenderer, Episode, run_episode
+from rollout.chat import ChatRenderer
+from rollout.generate import Episode, run_episode
 from trainer.config import build_config
 
 

@@ -5,8 +5,9 @@ import asyncio
 import pytest
 
 from rollout.args import RolloutArgs
-from rollout.generate import (EngineError, EnginePolicy, Episode, GenerateState,
-                              close_session, generate, post, run_episode)
+from rollout.engines.client import EngineError
+from rollout.generate import EnginePolicy, Episode, GenerateState, generate, run_episode
+from rollout.http import close_session, post
 from rollout.sample import Sample
 from rollout_engines import config, engines, start_decoding
 from rollout_plugins import EndlessEnv

@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from rollout.generate import close_session
+from rollout.http import close_session
 from rollout.ledger import Ledger, LedgerError
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rollout.generate import close_session
+from rollout.http import close_session
 from rollout.manager import RolloutManager, RolloutManagerCore
 from rollout_engines import config, engines
 from rollout_plugins import SlowStartEnv

@@ -64,7 +64,8 @@ def _record_homegym_traffic(version: str, model_path: str, tmp_path) -> list:
     from rollout.args import RolloutArgs
     from rollout.engines import EngineClient, free_port
     from rollout.engines.group import EngineTarget
-    from rollout.generate import EnginePolicy, GenerateState, close_session, sampling_params_from
+    from rollout.generate import EnginePolicy, GenerateState, sampling_params_from
+    from rollout.http import close_session
     from safetensors.torch import load_file
     from trainer.config import HomegymConfig, RolloutConfig
     from trainer.weights import GROUP_NAME, PushPlan, join_broadcast_group, send_weights

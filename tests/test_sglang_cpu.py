@@ -101,7 +101,7 @@ def test_real_server_behind_the_router_reports_the_pinned_version(group):
 
 def rollout_step(group, *overrides):
     """One step of the rollout manager (2 prompts x 2 games) against the group's router."""
-    from rollout.generate import close_session
+    from rollout.http import close_session
     from rollout.manager import RolloutManagerCore
 
     cfg = sglang_config("rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",

@@ -1,0 +1,130 @@
+"""HTTP to the router and engines on the rollout path: ``post`` (retries, the abort switch).
+
+Kept lean because a step is many tiny requests (64 episodes x 6 turns x ~5 tokens on a
+1M-param model, where HTTP/Python overhead dominates): one aiohttp session per process and
+event loop, and callers send ``input_ids`` (never text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Optional
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from rollout.engines.client import EngineError, backoff_delays, may_retry
+
+_SESSIONS: dict[int, aiohttp.ClientSession] = {}
+# Names for base URLs in error messages (the manager names its router); others read host:port.
+ENDPOINT_NAMES: dict[str, str] = {}
+# Requests of this process sent again after a failure (the manager reports it per step).
+RETRIES = {"requests": 0}
+
+
+class _AbortSwitch:
+    """Process-wide "the step is over" switch. While on, ``post`` answers /generate with an
+    abort response without sending it, so episodes (built-in or user code) that are between
+    turns when the manager aborts stop at their next request instead of slipping past
+    ``abort_request``."""
+
+    on = False
+
+
+ABORT = _AbortSwitch()
+# The newest weight version any /generate answer reported in this process: stamps samples
+# from user generate functions that do not record it themselves.
+LAST_WEIGHT_VERSION: list[Optional[int]] = [None]
+
+
+def _abort_response() -> dict:
+    return {"text": "", "output_ids": [],
+            "meta_info": {"finish_reason": {"type": "abort"}, "prompt_tokens": 0,
+                          "completion_tokens": 0, "output_token_logprobs": []}}
+
+
+def get_session() -> aiohttp.ClientSession:
+    """The aiohttp session of the running event loop (a session is bound to its loop)."""
+    loop = asyncio.get_running_loop()
+    session = _SESSIONS.get(id(loop))
+    if session is None or session.closed:
+        # limit=0: concurrency is bounded by GenerateState's semaphore, not the pool.
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        session = aiohttp.ClientSession(connector=connector,
+                                        timeout=aiohttp.ClientTimeout(total=None))
+        _SESSIONS[id(loop)] = session
+    return session
+
+
+async def close_session() -> None:
+    session = _SESSIONS.pop(id(asyncio.get_running_loop()), None)
+    if session is not None:
+        await session.close()
+
+
+def _where(url: str) -> tuple[str, str]:
+    """(endpoint name, route) of ``url``, for error messages."""
+    parts = urlsplit(url)
+    base = f"{parts.scheme}://{parts.netloc}"
+    return ENDPOINT_NAMES.get(base, parts.netloc), parts.path or "/"
+
+
+async def post(url: str, payload: Optional[dict] = None, *, max_retries: int = 8,
+               method: str = "POST") -> Any:
+    """POST JSON and return the decoded JSON answer (or text when it is not JSON).
+
+    Failures are retried with exponential backoff and jitter where repeating the request
+    is safe (``rollout.engines.client.may_retry``): a /generate on any 5xx or dropped
+    connection -- an engine that dies mid-request costs a retry on another engine, not
+    the sample -- and any request that never reached a server (refused connection, 503).
+    Otherwise, or once the retries are spent, ``EngineError`` names the engine (or router)
+    and route, with the status and the server's message.
+    """
+    if ABORT.on and url.endswith("/generate"):
+        return _abort_response()
+    session = get_session()
+    name, route = _where(url)
+    delays = backoff_delays(max_retries, first_s=0.05, cap_s=2.0)
+    for attempt in range(max_retries + 1):
+        tries = f" after {attempt + 1} attempts" if attempt else ""
+        try:
+            async with session.request(method, url, json=payload) as resp:
+                if resp.status < 400:
+                    if resp.content_type == "application/json":
+                        out = await resp.json()
+                        if isinstance(out, dict) and "meta_info" in out:
+                            version = parse_weight_version(out["meta_info"].get("weight_version"))
+                            if version is not None:
+                                LAST_WEIGHT_VERSION[0] = version
+                        return out
+                    body = await resp.text()
+                    try:
+                        return json.loads(body)
+                    except ValueError:
+                        return body
+                body = await resp.text()
+                if attempt == max_retries or not may_retry(method, route, resp.status):
+                    raise EngineError(f"{method} {url} -> HTTP {resp.status}{tries}: "
+                                      f"{body[:500]}", status=resp.status, engine=name,
+                                      route=route)
+        # ClientPayloadError: the connection dropped mid-answer (an engine died while
+        # streaming its reply through the router): the request is retried, and the
+        # router sends it to a live engine.
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
+                asyncio.TimeoutError) as e:
+            connected = not isinstance(e, aiohttp.ClientConnectorError)
+            if attempt == max_retries or not may_retry(method, route, None, connected=connected):
+                raise EngineError(f"{method} {url}: unreachable{tries}: {e!r}",
+                                  engine=name, route=route) from e
+        RETRIES["requests"] += 1
+        await asyncio.sleep(delays[attempt])
+    raise AssertionError("unreachable")
+
+
+
+def parse_weight_version(value: Any) -> Optional[int]:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
