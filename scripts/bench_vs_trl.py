@@ -42,6 +42,7 @@ and reports each system's median run with the spread of all of them.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import os
@@ -545,6 +546,22 @@ def plot(results: dict, out: Path) -> None:
         plt.close(fig)
 
 
+def run_worker(cmd: list[str], *, log_path: Path, tail_lines: int = 80) -> None:
+    """Run one worker subprocess, echoing its output and keeping all of it in ``log_path``;
+    if it fails, the error carries the worker's last lines (the traceback), not only its
+    exit code."""
+    tail: collections.deque = collections.deque(maxlen=tail_lines)
+    with open(log_path, "w") as log, subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+            tail.append(line)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker {' '.join(cmd[-8:])} exited {proc.returncode} "
+                           f"(whole output: {log_path}); its last lines:\n{''.join(tail)}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-qwen3")
@@ -610,9 +627,10 @@ def main() -> None:
                 print(f"== {task} / {system} run {rep + 1}/{args.repeats} (load {load}) ==",
                       flush=True)
                 t0 = time.perf_counter()
-                subprocess.run(base + passthrough + ["--_worker", system, "--_task", task,
-                                                     "--_model-path", model_path,
-                                                     "--_result", str(res_file)], check=True)
+                run_worker(base + passthrough + ["--_worker", system, "--_task", task,
+                                                 "--_model-path", model_path,
+                                                 "--_result", str(res_file)],
+                           log_path=out / f"worker-{system}-{task}-{rep}.log")
                 r = json.loads(res_file.read_text())
                 r["load_before"], r["load_after"] = load, loadavg()
                 r["wall_s"] = time.perf_counter() - t0
