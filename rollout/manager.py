@@ -18,6 +18,10 @@ tokens are kept, the environment object too); a sample from a custom generate fu
 restarts from its prompt (its state lives inside user code). Without it they are dropped.
 Samples are stamped with the weight version of their oldest token.
 
+The training loop calls ``generate_ref``: the batch stays in the object store, where the
+training ranks read it, and the driver gets a ``rollout.batch_ref.BatchRef`` (counts, group
+ids, labels, versions, metrics). ``select`` cuts a stored batch the same way.
+
 The abort switch (rollout.http.ABORT) is process-wide: run one ``generate`` or
 ``evaluate`` at a time per manager process (the training loop does).
 """
@@ -41,6 +45,7 @@ from rollout.ledger import Ledger, key_of
 from rollout.generate import (EnginePolicy, Episode, GenerateState, run_episode,
                               sampling_params_from)
 from rollout.http import ABORT, ENDPOINT_NAMES, LAST_WEIGHT_VERSION, RETRIES, post
+from rollout.batch_ref import BatchRef
 from rollout.sample import RolloutBatch, Sample
 
 logger = logging.getLogger(__name__)
@@ -470,6 +475,17 @@ class RolloutManagerCore:
             logger.warning("step %d: %d failed samples; first errors: %s", step,
                            stats.failed_samples, stats.errors)
         return RolloutBatch.from_samples(samples, metrics)
+
+    # ---- batches for the training ranks (the driver sees only a BatchRef) -------------
+    async def generate_ref(self, step: int) -> BatchRef:
+        """``generate(step)``, with the batch left in the object store (owned by this
+        actor) for the training ranks to read by reference."""
+        return BatchRef.put(await self.generate(step))
+
+    def select(self, batch: RolloutBatch, indices: list[int]) -> BatchRef:
+        """The samples at ``indices`` of a stored batch (pass its ref: Ray resolves it
+        here), stored as a new batch; e.g. the async pipeline's staleness filter."""
+        return BatchRef.put(batch.select(indices))
 
     # ---- evaluation ------------------------------------------------------------------
     def _eval_source(self, split: str) -> DataSource:

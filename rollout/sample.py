@@ -13,9 +13,9 @@ that (empty log-prob list, see ``from_samples``).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 
 @dataclass
@@ -142,6 +142,13 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def select(self, indices: Sequence[int]) -> "RolloutBatch":
+        """The samples at ``indices``, in that order, with every per-sample field and the
+        batch's metrics: the one place a batch is cut, so a new field cannot be left out."""
+        per_sample = {f.name: [getattr(self, f.name)[i] for i in indices]
+                      for f in fields(self) if f.name != "metrics"}
+        return RolloutBatch(**per_sample, metrics=dict(self.metrics))
 
     @classmethod
     def from_samples(cls, samples: Iterable[Sample],

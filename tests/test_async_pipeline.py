@@ -1,11 +1,13 @@
 """The async loop's two pieces on their own: `filter_stale` (which samples a step may train
 on) and `RolloutPipeline` (how far generation runs ahead of training). The pipeline drives
-a real Ray actor that records the steps it was asked to generate."""
+a real Ray actor that records the steps it was asked to generate and stores their batches
+as the rollout manager does (`BatchRef.put`, `RolloutBatch.select`)."""
 
 import pytest
 
+from rollout.batch_ref import BatchRef
 from rollout.sample import RolloutBatch
-from trainer.loop import RolloutPipeline, filter_stale
+from trainer.pipeline import RolloutPipeline, filter_stale
 
 
 def batch(versions, groups):
@@ -21,7 +23,9 @@ def test_drop_removes_whole_groups_staler_than_the_bound():
     # Policy at version 3, bound 1: group 2 is two versions old; group 1 has one sample two
     # versions old, so the whole group goes (a group's baseline needs all its samples).
     b = batch(versions=[3, 3, 2, 1, 1, 1], groups=[0, 0, 1, 1, 2, 2])
-    kept, m = filter_stale(b, version=3, max_staleness=1, drop=True)
+    keep, m = filter_stale(b, version=3, max_staleness=1, drop=True)
+    assert keep == [0, 1]
+    kept = b.select(keep)
     assert kept.group_ids == [0, 0]
     assert kept.rewards == [0.0, 1.0] and kept.tokens == [[0, 1], [1, 2]]
     assert kept.labels == ["g0", "g0"] and kept.weight_versions == [3, 3]
@@ -36,16 +40,16 @@ def test_keep_trains_on_stale_samples_and_counts_them():
     """algo.stale_policy=keep: nothing is dropped; the stale samples are counted and the
     trained staleness is the batch's own."""
     b = batch(versions=[3, 3, 1, 1], groups=[0, 0, 1, 1])
-    kept, m = filter_stale(b, version=3, max_staleness=1, drop=False)
-    assert kept is b
+    keep, m = filter_stale(b, version=3, max_staleness=1, drop=False)
+    assert keep is None
     assert m["async/stale_samples"] == 2.0 and m["async/dropped_stale_samples"] == 0.0
     assert m["async/trained_max_staleness"] == 2.0
 
 
 def test_within_the_bound_nothing_is_dropped_and_unknown_versions_count_as_fresh():
     b = batch(versions=[2, 1, -1, -1], groups=[0, 0, 1, 1])
-    kept, m = filter_stale(b, version=2, max_staleness=1, drop=True)
-    assert kept is b
+    keep, m = filter_stale(b, version=2, max_staleness=1, drop=True)
+    assert keep is None
     assert m["async/stale_samples"] == 0.0 and m["async/trained_max_staleness"] == 1.0
     assert (m["async/staleness_0"], m["async/staleness_1"]) == (3.0, 1.0)
 
@@ -54,17 +58,32 @@ def test_within_the_bound_nothing_is_dropped_and_unknown_versions_count_as_fresh
 def recorder(ray_local):
     @ray_local.remote
     class Recorder:
-        """Stands in for the RolloutManager: its `generate` returns the step it was given."""
+        """Stands in for the RolloutManager: `generate_ref` stores a batch whose versions are
+        the step it was given; `select` and `requeue_groups` are recorded."""
 
         def __init__(self):
-            self.calls = []
+            self.calls, self.requeued = [], []
 
-        def generate(self, step):
+        def generate_ref(self, step):
             self.calls.append(step)
-            return f"batch-{step}"
+            n = 4  # (the module's `batch` helper is not importable in a Ray worker)
+            return BatchRef.put(RolloutBatch(
+                tokens=[[step, i] for i in range(n)], response_lengths=[1] * n,
+                loss_masks=[[1]] * n, rollout_log_probs=[[-0.5]] * n, rewards=[0.0] * n,
+                group_ids=[2 * step] * 2 + [2 * step + 1] * 2, weight_versions=[step] * n,
+                statuses=["completed"] * n, labels=["x"] * n))
+
+        def select(self, b, indices):
+            return BatchRef.put(b.select(indices))
+
+        def requeue_groups(self, groups, why):
+            self.requeued.append((list(groups), why))
 
         def seen(self):
             return list(self.calls)
+
+        def seen_requeued(self):
+            return list(self.requeued)
 
     actor = Recorder.remote()
     yield actor
@@ -89,7 +108,7 @@ def test_generation_runs_ahead_by_the_staleness_bound(recorder, ray_local, max_s
         assert launched(p, recorder, ray_local) == list(range(1, ahead + 1))
         for step in range(1, 7):
             result, metrics = p.take(step)
-            assert result == f"batch-{step}" and metrics["perf/rollout_time"] >= 0
+            assert result.weight_versions == [step] * 4 and metrics["perf/rollout_time"] >= 0
             p.launch_ready(step)  # trained on step: version is now `step`
             queued = [s for s, _ in p.prefetched()]
             assert queued == list(range(step + 1, min(step + ahead, 6) + 1))
@@ -102,15 +121,41 @@ def test_generation_runs_ahead_by_the_staleness_bound(recorder, ray_local, max_s
 def test_prefetched_batches_are_taken_first_and_not_generated_again(recorder, ray_local):
     """Batches a checkpoint saved (generated, not yet trained on) come back on resume; the
     manager is asked only for the steps after them."""
-    saved = [(3, ("batch-3", {})), (4, ("batch-4", {}))]
+    saved = [(3, (batch([3, 3], [6, 6]), {})), (4, (batch([4, 4], [8, 8]), {}))]
     p = RolloutPipeline(recorder, max_staleness=1, last_step=6, prefetched=saved)
     try:
-        assert p.prefetched() == saved
+        assert p.checkpoint_state() == saved  # saved again whole, e.g. by the next checkpoint
         p.launch_ready(2)  # queue already holds max_staleness + 1 steps
         assert ray_local.get(recorder.seen.remote()) == []
-        assert p.take(3) == ("batch-3", {})
+        ref, metrics = p.take(3)
+        assert ref.get() == saved[0][1][0] and metrics == {}
         p.launch_ready(3)
         assert [s for s, _ in p.prefetched()] == [4, 5]
         assert ray_local.get(recorder.seen.remote()) == [5]
+    finally:
+        p.close()
+
+
+def test_stale_groups_are_cut_where_the_batch_lives_and_requeued(recorder, ray_local):
+    """The pipeline's filter cuts a stored batch through the manager's `select` (one
+    selection method, RolloutBatch.select) and requeues the dropped groups as "stale";
+    the trained batch's summary (groups, labels, versions, digest) matches the cut."""
+    from rollout.batch_ref import tokens_digest
+
+    p = RolloutPipeline(recorder, max_staleness=0, last_step=6, drop_stale=True)
+    try:
+        b = batch(versions=[3, 3, 2, 2], groups=[5, 5, 6, 6])
+        kept, m = p.filter_stale(BatchRef.put(b), version=3)
+        assert m["async/dropped_stale_samples"] == 2.0 and m["async/stale_samples"] == 2.0
+        whole = kept.get()
+        assert whole == b.select([0, 1]) and whole.group_ids == [5, 5]
+        assert (kept.group_ids, kept.labels, kept.weight_versions, len(kept)) == (
+            [5, 5], ["g5", "g5"], [3, 3], 2)
+        assert kept.tokens_sha256 == tokens_digest(whole.tokens)
+        assert ray_local.get(recorder.seen_requeued.remote()) == [([6], "stale")]
+        # Within the bound: the stored batch itself, nothing requeued.
+        fresh = BatchRef.put(batch(versions=[3, 3], groups=[7, 7]))
+        same, _ = p.filter_stale(fresh, version=3)
+        assert same is fresh and ray_local.get(recorder.seen_requeued.remote()) == [([6], "stale")]
     finally:
         p.close()

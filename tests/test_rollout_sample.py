@@ -61,3 +61,22 @@ def test_rollout_batch_from_samples():
 def test_rollout_batch_rejects_missing_reward():
     with pytest.raises(ValueError, match="no reward"):
         RolloutBatch.from_samples([Sample(tokens=[1], index=7)])
+
+
+def test_select_cuts_every_per_sample_field_in_the_given_order():
+    from dataclasses import fields
+
+    samples = []
+    for i in range(4):
+        s = Sample(tokens=[i, i + 10], response_length=1, loss_mask=[1],
+                   rollout_log_probs=[-0.1 * i], reward=float(i), label=f"l{i}",
+                   status=Sample.Status.COMPLETED, group_index=i // 2, weight_version=i)
+        samples.append(s)
+    batch = RolloutBatch.from_samples(samples, {"rollout/raw_reward": 1.5})
+    cut = batch.select([3, 0])
+    for f in fields(RolloutBatch):
+        if f.name != "metrics":
+            whole = getattr(batch, f.name)
+            assert getattr(cut, f.name) == [whole[3], whole[0]], f.name
+    assert cut.metrics == batch.metrics and cut.metrics is not batch.metrics
+    assert len(batch.select([])) == 0 and batch.select(range(4)) == batch

@@ -2,9 +2,16 @@
 
 Colocated (engines and training ranks share devices and take turns), per step:
 
-    batch = rollout(step)                  # engines generate, environments score
-    engines.release_memory(); train(batch)
+    batch = manager.generate_ref(step)     # engines generate, environments score
+    engines.release_memory(); train(batch.ref)
     engines.resume_memory(weights); push weights (version = step); resume_memory(kv_cache)
+
+Disaggregated (async): a ``trainer.pipeline.RolloutPipeline`` generates ahead within the
+staleness bound and filters stale groups; the loop trains and pushes weights.
+
+The driver never holds a rollout batch: the manager leaves it in the object store and
+returns a ``BatchRef`` (group ids, labels, versions, metrics, a token digest), and the
+training ranks read ``batch.ref`` themselves. Only a checkpoint copies queued batches out.
 
 The run directory holds the resolved config, metrics.jsonl, wandb files, checkpoints,
 the base-vs-trained evaluation table and curves.png (trainer/report.py).
@@ -12,15 +19,12 @@ the base-vs-trained evaluation table and curves.png (trainer/report.py).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
 import ray
@@ -30,6 +34,8 @@ from trainer.checkpoint import CheckpointManager, preflight_output_dir
 from trainer.config import HomegymConfig, to_dict
 from trainer.memory_plan import check_memory
 from trainer.metrics import MetricsLogger, redact, timed, write_json
+from trainer.pipeline import RolloutPipeline
+from rollout.batch_ref import BatchRef
 from rollout.models import resolve_model_path
 from trainer.report import EVAL_COLUMNS, format_eval_table, terminal_eval_table, write_curves
 from trainer.runtime import Runtime
@@ -80,7 +86,7 @@ class Driver:
         self.rt = runtime
         self.ckpt = CheckpointManager(run_dir)
         self._pipeline: RolloutPipeline | None = None
-        self._prefetched: list[tuple[int, Any]] = []  # restored from a checkpoint
+        self._prefetched: list[tuple[int, Any]] = []  # whole batches from a checkpoint
         self.logger: MetricsLogger | None = None
         self.evals: dict[str, dict[str, float]] = {}
         self.policy_version: int | None = None  # the version the engines hold
@@ -152,7 +158,7 @@ class Driver:
                 # generation (the router already moved its in-flight requests elsewhere).
                 self.recover_engines(metrics)
                 with timed(metrics, "perf/rollout_time"):
-                    batch = ray.get(rt.manager.generate.remote(step))
+                    batch = ray.get(rt.manager.generate_ref.remote(step))
                 self.recover_engines(metrics)
                 if len(batch):
                     self.with_recovery(rt.engines.release_memory, metrics)
@@ -176,7 +182,10 @@ class Driver:
         bound when trained on are dropped (algo.stale_policy=drop) or kept and counted."""
         cfg, rt = self.config, self.rt
         pipeline = RolloutPipeline(rt.manager, max_staleness=cfg.algo.max_staleness,
-                                   last_step=cfg.train.num_steps, prefetched=self._prefetched)
+                                   last_step=cfg.train.num_steps,
+                                   drop_stale=cfg.algo.stale_policy == "drop",
+                                   prefetched=self._prefetched)
+        self._prefetched = []
         self._pipeline = pipeline
         version = start_step
         try:
@@ -187,14 +196,8 @@ class Driver:
                     with timed(metrics, "perf/trainer_wait_time"):
                         batch, gen_metrics = pipeline.take(step)
                     metrics.update(gen_metrics)
-                    generated = batch.group_ids
-                    batch, stale = filter_stale(batch, version=version,
-                                                max_staleness=cfg.algo.max_staleness,
-                                                drop=cfg.algo.stale_policy == "drop")
+                    batch, stale = pipeline.filter_stale(batch, version=version)
                     metrics.update(stale)
-                    dropped = sorted(set(generated) - set(batch.group_ids))
-                    if dropped:  # generated again from their prompts, on a newer policy
-                        ray.get(rt.manager.requeue_groups.remote(dropped, "stale"))
                     if len(batch):
                         metrics.update(self.train(step, batch))
                         pause = "in_place" if cfg.rollout.update_in_flight == "pause" else "abort"
@@ -250,10 +253,11 @@ class Driver:
         self.recover_engines(metrics)
         return phase() or {}
 
-    def train(self, step: int, batch) -> dict[str, float]:
+    def train(self, step: int, batch: BatchRef) -> dict[str, float]:
         metrics: dict[str, float] = {}
         with timed(metrics, "perf/train_time"):
-            metrics.update(self.rt.train_group.train_step(batch))
+            # The ref itself, as a top-level argument: each rank resolves it.
+            metrics.update(self.rt.train_group.train_step(batch.ref))
         ray.get(self.rt.manager.mark_trained.remote(batch.group_ids))  # the prompt ledger
         self._record_data_order(step, batch)
         return metrics
@@ -265,15 +269,14 @@ class Driver:
         write_json(self.run_dir / "ledger.json", summary)
         return summary
 
-    def _record_data_order(self, step: int, batch) -> None:
+    def _record_data_order(self, step: int, batch: BatchRef) -> None:
         """One line per step: the group labels trained on, in order (resume checks use it)."""
         groups: dict[int, Any] = {}
         for gid, label in zip(batch.group_ids, batch.labels):
             groups.setdefault(gid, label)
-        digest = hashlib.sha256(json.dumps(batch.tokens).encode()).hexdigest()[:16]
         with open(self.run_dir / "data_order.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "labels": list(groups.values()),
-                                "tokens_sha256": digest}, default=str) + "\n")
+                                "tokens_sha256": batch.tokens_sha256}, default=str) + "\n")
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self) -> None:
@@ -340,7 +343,7 @@ class Driver:
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> Path:
         rt = self.rt
-        prefetched = self._pipeline.prefetched() if self._pipeline is not None else []
+        prefetched = self._pipeline.checkpoint_state() if self._pipeline is not None else []
         state = {"manager": ray.get(rt.manager.state_dict.remote()), "prefetched": prefetched}
         model_dir = resolve_model_path(self.config.model.path, self.config.model.cache_dir)
         path = self.ckpt.save(
@@ -373,77 +376,3 @@ def summarize_gain(evals: dict[str, dict[str, float]], before: str = "base",
             out[prefix] = 100 * (evals[after][key] - evals[before][key])
     return out
 
-
-class RolloutPipeline:
-    """Runs the rollout manager's `generate` calls one after another on a background
-    thread, as far ahead of training as the staleness bound allows."""
-
-    def __init__(self, manager, *, max_staleness: int, last_step: int,
-                 prefetched: list[tuple[int, Any]] = ()) -> None:
-        self.manager = manager
-        self.max_staleness = max_staleness
-        self.last_step = last_step
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
-        self._queue: deque[tuple[int, Future]] = deque()
-        self._next = None
-        self._last_end: float | None = None
-        for step, result in prefetched:  # batches a checkpoint saved before training on them
-            future: Future = Future()
-            future.set_result(result)
-            self._queue.append((step, future))
-            self._next = step + 1
-
-    def prefetched(self) -> list[tuple[int, Any]]:
-        """Wait for queued generations; return them (they belong in a checkpoint: the
-        manager's data position has already moved past them)."""
-        return [(step, future.result()) for step, future in self._queue]
-
-    def launch_ready(self, version: int) -> None:
-        """Queue every step whose generation may start under policy `version`."""
-        if self._next is None:
-            self._next = version + 1
-        while (self._next <= self.last_step and len(self._queue) <= self.max_staleness
-               and version >= self._next - 1 - self.max_staleness):
-            self._queue.append((self._next, self._executor.submit(self._generate, self._next)))
-            self._next += 1
-
-    def _generate(self, step: int):
-        start = time.perf_counter()
-        idle = start - self._last_end if self._last_end is not None else 0.0
-        batch = ray.get(self.manager.generate.remote(step))
-        self._last_end = time.perf_counter()
-        return batch, {"perf/rollout_time": self._last_end - start, "perf/engine_idle_time": idle}
-
-    def take(self, step: int):
-        queued, future = self._queue.popleft()
-        assert queued == step, (queued, step)
-        return future.result()
-
-    def close(self, wait: bool = True) -> None:
-        self._executor.shutdown(wait=wait, cancel_futures=True)
-
-
-def filter_stale(batch, *, version: int, max_staleness: int, drop: bool):
-    """Staleness of each sample = policy version now - version of its oldest token.
-    Groups holding a sample staler than `max_staleness` are dropped (or kept, counted)."""
-    from rollout.sample import RolloutBatch
-
-    staleness = [version - v if v >= 0 else 0 for v in batch.weight_versions]
-    metrics = {f"async/staleness_{d}": float(staleness.count(d)) for d in sorted(set(staleness))}
-    metrics["async/max_staleness"] = float(max(staleness, default=0))
-    # From an engine on no pushed policy (a restarted one serving its start-up weights).
-    metrics["async/unversioned_samples"] = float(sum(v < 0 for v in batch.weight_versions))
-    stale_groups = {g for g, d in zip(batch.group_ids, staleness) if d > max_staleness}
-    metrics["async/stale_samples"] = float(sum(g in stale_groups for g in batch.group_ids))
-    if not drop or not stale_groups:
-        metrics["async/dropped_stale_samples"] = 0.0
-        metrics["async/trained_max_staleness"] = metrics["async/max_staleness"]
-        return batch, metrics
-    keep = [i for i, g in enumerate(batch.group_ids) if g not in stale_groups]
-    fields = {name: [getattr(batch, name)[i] for i in keep]
-              for name in ("tokens", "response_lengths", "loss_masks", "rollout_log_probs",
-                           "rewards", "group_ids", "weight_versions", "statuses", "labels")}
-    metrics["async/dropped_stale_samples"] = float(len(batch) - len(keep))
-    metrics["async/trained_max_staleness"] = float(max(
-        (d for d, g in zip(staleness, batch.group_ids) if g not in stale_groups), default=0))
-    return RolloutBatch(**fields, metrics=batch.metrics), metrics

@@ -5,9 +5,12 @@ lets rank 0 pick the rendezvous address, initialises the process group (gloo on 
 NCCL on GPU) and a backend per rank, then fans every call out to all ranks (the
 backends run collectives, so all must take part) and returns rank 0's answer.
 
-The batch is put in the object store once and every rank reads the whole of it: each
-rank derives its own share (``trainer.backends.batching.plan_step``) and the global loss
-denominators from it, so no rank needs another rank's data.
+A batch reaches the ranks as one object-store reference, passed to every rank as a
+top-level argument so each resolves it itself: a rollout batch is already there (the
+rollout manager put it, ``rollout.batch_ref.BatchRef``) and never passes through the
+driver; one built in the driver (warm-up SFT, tests) is put once. Every rank reads the
+whole batch and derives its own share (``trainer.backends.batching.plan_step``) and the
+global loss denominators from it, so no rank needs another rank's data.
 """
 
 from __future__ import annotations
@@ -168,11 +171,13 @@ class TrainGroup:
         return ray.get([getattr(a, method).remote(*args) for a in self.actors])
 
     def _with_batch(self, method: str, batch) -> Any:
-        ref = ray.put(batch)  # one copy in the object store, read by every rank
+        """``batch``: a RolloutBatch or an ObjectRef to one (used as it is)."""
+        ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
         return self._all(method, ref)[0]
 
     def train_step(self, batch) -> dict[str, float]:
-        """RL update on a rollout batch; metrics are global (all-reduced over ranks)."""
+        """RL update on a rollout batch (or its ObjectRef); metrics are global (all-reduced
+        over ranks)."""
         return self._with_batch("train_step", batch)
 
     def sft_step(self, batch) -> dict[str, float]:

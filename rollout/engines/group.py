@@ -310,7 +310,8 @@ class EngineGroup(_FanOut):
 
         ``push_weights(view)`` is called once with an ``EngineView`` of the restarted
         engines (same fan-out methods as the group) and must load the current policy into
-        them, e.g. ``lambda view: WeightSync(config, train_group, view).push(version)``.
+        them, e.g. ``lambda view: weights.push(version, engines=view)`` with the run's one
+        ``WeightSync`` (trainer.runtime does this).
         A restarted server starts from ``model_path``: without ``push_weights`` it serves
         the base weights until the next regular push.
 
