@@ -174,7 +174,9 @@ class Driver:
                         rt.engines.resume_memory(["kv_cache", "cuda_graph"])
                         return pushed
                     metrics.update(self.with_recovery(update, metrics))
-            yield step, {**batch.metrics, **metrics}
+            metrics = {**batch.metrics, **metrics}
+            del batch  # trained on: the store frees it while the next step generates
+            yield step, metrics
 
     def async_steps(self, start_step: int) -> Iterator[tuple[int, dict[str, float]]]:
         """Engines keep generating while the ranks train; generation of step s starts once
@@ -212,7 +214,9 @@ class Driver:
                         self.recover_engines(metrics)
                         metrics.update(self.with_recovery(update, metrics))
                     version = step
-                yield step, {**batch.metrics, **metrics}
+                metrics = {**batch.metrics, **metrics}
+                del batch  # trained on (or dropped): the store may free it
+                yield step, metrics
         except BaseException:
             # Do not wait for a generation in flight: after a failed update it may wait on
             # a paused engine for ever. Tearing the manager down ends it.
