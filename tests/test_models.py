@@ -37,6 +37,28 @@ def test_tiny_model_is_built_once_and_deterministic(tmp_path):
     assert not [p for p in os.listdir(tmp_path / "a") if ".tiny-qwen3." in p]
 
 
+def test_a_cache_built_by_an_older_builder_is_rebuilt(tmp_path):
+    import json
+
+    from rollout.tiny_models import TINY_BUILDERS
+
+    path = resolve_model_path("tiny-qwen3-tools", str(tmp_path))
+    stamp = os.path.join(path, "homegym_model.json")
+    current = json.load(open(stamp))["version"]
+    assert current == TINY_BUILDERS["tiny-qwen3-tools"][1]
+    # What an older builder left: no version stamp, and files the new one does not write.
+    with open(stamp, "w") as f:
+        json.dump({"builtin": "tiny-qwen3-tools"}, f)
+    open(os.path.join(path, "old-file"), "w").close()
+    assert resolve_model_path("tiny-qwen3-tools", str(tmp_path)) == path
+    assert json.load(open(stamp))["version"] == current
+    assert not os.path.exists(os.path.join(path, "old-file"))
+    assert sorted(os.listdir(tmp_path)) == ["tiny-qwen3-tools", "tiny-qwen3-tools.lock"]
+    mtime = os.path.getmtime(stamp)
+    assert resolve_model_path("tiny-qwen3-tools", str(tmp_path)) == path  # current: kept
+    assert os.path.getmtime(stamp) == mtime
+
+
 def test_local_directory_is_used_as_is(tiny_model_path):
     assert resolve_model_path(tiny_model_path) == tiny_model_path
 
