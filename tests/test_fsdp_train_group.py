@@ -48,6 +48,28 @@ def test_export_buckets_match_hf_checkpoint(group2, tiny_model_path):
         assert torch.equal(exported[name], tensor), name
 
 
+def test_buckets_gathered_in_the_engine_dtype_are_the_full_tensors_cast(group2):
+    """Weight sync gathers shards already cast to the engines' dtype: bitwise the fp32
+    full tensors cast, under the same names, on every rank."""
+    import ray
+
+    def gathered(actor_self, dtype):
+        return {n: t for b in actor_self.backend.named_weight_buckets(1 << 20, dtype=dtype)
+                for n, t in b}
+
+    def on_every_rank(dtype):  # collective: every rank drains its iterator
+        return ray.get([a.__ray_call__.remote(gathered, dtype) for a in group2.actors])
+
+    full = on_every_rank(None)
+    cast = on_every_rank(torch.bfloat16)
+    assert sorted(cast[0]) == sorted(full[0])
+    for rank_full, rank_cast in zip(full, cast):
+        for name, tensor in rank_full.items():
+            assert tensor.dtype == torch.float32, name
+            assert rank_cast[name].dtype == torch.bfloat16, name
+            assert torch.equal(rank_cast[name], tensor.to(torch.bfloat16)), name
+
+
 @pytest.mark.parametrize("algo", [
     {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.05, "entropy_coef": 0.01},
     # Token-level advantages whitened over both ranks, KL in the reward, GSPO, TIS.

@@ -97,9 +97,10 @@ class TrainActor:
 
     def send_weights(self, plan) -> dict[str, float]:
         """Stream this backend's weights to the engines of ``plan`` (trainer.weights.PushPlan)."""
-        from trainer.weights import send_weights
+        from trainer.weights import DTYPES, send_weights
 
-        buckets = self.backend.named_weight_buckets(plan.bucket_bytes, device=plan.device)
+        buckets = self.backend.named_weight_buckets(plan.bucket_bytes, device=plan.device,
+                                                    dtype=DTYPES[plan.dtype])
         return send_weights(buckets, plan, rank=self.rank, world_size=self.world_size,
                             weight_group=getattr(self, "_weight_group", None))
 

@@ -213,18 +213,36 @@ def send_weights(buckets: Iterable[list[tuple[str, torch.Tensor]]], plan: PushPl
         sender = _BroadcastSender(plan, rank, weight_group)
     num_bytes = num_buckets = 0
     checks: dict[str, torch.Tensor] = {}
+    # Where this rank's time goes: gathering (the backend's collectives and copies), the
+    # cast to the engines' dtype, and sending (staging + the engines' loads).
+    phases = dict.fromkeys(("gather", "cast", "send", "verify"), 0.0)
+    clock = time.perf_counter()
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        phases[phase] += now - clock
+        clock = now
+
     with sender:
+        lap("send")  # opening the sessions
         for bucket, last in _with_last(buckets):
+            lap("gather")
             bucket = [(n, t.detach().to(dtype=dtype)) for n, t in bucket]
             num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
             num_buckets += 1
             for name, t in bucket:
                 if name in CHECK_NAMES:
                     checks[name] = t[:CHECK_ROWS].to("cpu", torch.float32)
+            lap("cast")
             sender.send(bucket, plan.version if last else None)
+            lap("send")
+    lap("send")  # closing the sessions
     checked = sender.verify(checks)
+    lap("verify")
     return {"perf/weight_sync_bytes": float(num_bytes), "perf/weight_sync_buckets": float(num_buckets),
-            "perf/weight_sync_checked_tensors": float(checked)}
+            "perf/weight_sync_checked_tensors": float(checked),
+            **{f"perf/weight_sync_{k}_time": v for k, v in phases.items()}}
 
 
 def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:

@@ -36,9 +36,12 @@ class TrainBackend(Protocol):
     def sft_step(self, batch: BatchLike) -> dict[str, float]:
         """One supervised optimizer step: mean NLL over loss_mask tokens."""
 
-    def named_weight_buckets(self, bucket_bytes: int, device: str = "cpu") -> Iterator[NamedTensors]:
+    def named_weight_buckets(self, bucket_bytes: int, device: str = "cpu",
+                             dtype=None) -> Iterator[NamedTensors]:
         """Full (gathered) tensors under their Hugging Face names, in buckets of ~bytes,
-        copied to ``device`` (cuda keeps them on the GPU for CUDA IPC / NCCL)."""
+        copied to ``device`` (cuda keeps them on the GPU for CUDA IPC / NCCL). ``dtype``:
+        the dtype the caller will cast to (the engines'); a backend may gather in it to
+        move fewer bytes, or yield its own dtype."""
 
     def save(self, path: str) -> None: ...
 

@@ -229,33 +229,52 @@ class FSDPBackend(StepLoop):
         return {k: float(v) for k, v in zip(names, flat.cpu())}
 
     # ----------------------------------------------------------------- weights
-    def _full_state(self, device: str, *, adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def _full_state(self, device: str, *, adapters_only: bool = False,
+                    dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's state in state_dict order as gathered full tensors on ``device``
-        (collective: every rank must drain it). Tied weights (lm_head sharing the
-        embedding) appear once, under the name the HF checkpoint stores."""
+        (collective: every rank must drain it), copies that share no storage with the
+        model. Tied weights (lm_head sharing the embedding) appear once, under the name
+        the HF checkpoint stores. ``dtype``: each rank casts its shard before the gather,
+        which moves and copies that many fewer bytes (the cast is elementwise, so the
+        result is the gathered tensor cast)."""
         # named_parameters() lists a shared parameter once, under its first name.
         unique = {n for n, _ in self.model.named_parameters()}
         tied = {n for n, _ in self.model.named_parameters(remove_duplicate=False)} - unique
         for name, value in self.model.state_dict().items():
             if name in tied or (adapters_only and ".lora_" not in name):
                 continue
+            value = value.detach()
+            local = value.to_local() if hasattr(value, "to_local") else value
+            if dtype is not None:
+                value = value.to(dtype)
             full = value.full_tensor() if hasattr(value, "full_tensor") else value
-            yield name, full.detach().to(device, copy=True)
+            full = full.to(device)
+            # The gather's output is already a fresh tensor; only a tensor that is (a view
+            # of) the parameter itself needs copying.
+            if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                full = full.clone()
+            yield name, full
 
-    def named_weight_buckets(self, bucket_bytes: int, device: str = "cpu") -> Iterator[NamedTensors]:
+    def named_weight_buckets(self, bucket_bytes: int, device: str = "cpu",
+                             dtype: Optional[torch.dtype] = None) -> Iterator[NamedTensors]:
         """Gathered full tensors under HF names, ~bucket_bytes per bucket, on ``device``
-        (a copy: the caller may keep or share them while training goes on). A LoRA
-        policy yields its merged weights (trainer.backends.lora.merged_tensors).
+        (a copy: the caller may keep or share them while training goes on), in ``dtype``
+        (None: the fp32 master weights). A LoRA policy yields its merged weights
+        (trainer.backends.lora.merged_tensors).
 
         Collective: every rank must drain the iterator.
         """
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0 (got {bucket_bytes})")
-        items = self._full_state(device)
         if self.lora is not None:
             from trainer.backends.lora import merged_tensors
 
-            items = merged_tensors(items, self.lora_layers)
+            # Merged in the master weights' precision, cast after.
+            items = merged_tensors(self._full_state(device), self.lora_layers)
+            if dtype is not None:
+                items = ((n, t.to(dtype)) for n, t in items)
+        else:
+            items = self._full_state(device, dtype=dtype)
         bucket: NamedTensors = []
         size = 0
         for name, full in items:

@@ -369,13 +369,14 @@ class MegatronBackend(StepLoop):
         # HF order: embedding, layers, norm, lm_head (stage order already gives it).
         return layout
 
-    def named_weight_buckets(self, bucket_bytes: int,
-                             device: str = "cpu") -> Iterator[NamedTensors]:
+    def named_weight_buckets(self, bucket_bytes: int, device: str = "cpu",
+                             dtype=None) -> Iterator[NamedTensors]:
         """Full HF-named tensors (TP shards gathered, PP stages broadcast) in ~bucket_bytes
         buckets, on every rank, as copies on ``device`` in the training dtype
         (``model.dtype``: bf16 when the model trains in bf16, fp32 when it is fp32).
-        Works while offloaded (reads the host copies). Collective: every rank must drain
-        the iterator."""
+        Works while offloaded (reads the host copies). ``dtype`` is not used: the tensors
+        already travel in the training dtype, and the sender casts. Collective: every
+        rank must drain the iterator."""
         from trainer.backends.megatron import model as M
 
         if bucket_bytes <= 0:
