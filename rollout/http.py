@@ -36,6 +36,10 @@ ABORT = _AbortSwitch()
 # The newest weight version any /generate answer reported in this process: stamps samples
 # from user generate functions that do not record it themselves.
 LAST_WEIGHT_VERSION: list[Optional[int]] = [None]
+# The LoRA adapter the engines serve the current policy as (train.lora.push=adapter; set
+# by the manager after each push): SGLang applies an adapter only to requests that name
+# it, so ``post`` adds it as ``lora_path`` to every /generate that names none.
+LORA_ADAPTER: list[Optional[str]] = [None]
 
 
 def _abort_response() -> dict:
@@ -83,6 +87,9 @@ async def post(url: str, payload: Optional[dict] = None, *, max_retries: int = 8
     """
     if ABORT.on and url.endswith("/generate"):
         return _abort_response()
+    if LORA_ADAPTER[0] is not None and url.endswith("/generate") and isinstance(payload, dict) \
+            and payload.get("lora_path") is None:
+        payload = {**payload, "lora_path": LORA_ADAPTER[0]}
     session = get_session()
     name, route = _where(url)
     delays = backoff_delays(max_retries, first_s=0.05, cap_s=2.0)

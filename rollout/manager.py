@@ -537,6 +537,12 @@ class RolloutManagerCore:
         metrics["perf/eval_time"] = time.perf_counter() - t0
         return {"metrics": metrics, "rows": rows}
 
+    def set_lora_adapter(self, name: Optional[str]) -> None:
+        """Name the LoRA adapter every /generate of this process asks for (rollout.http)."""
+        from rollout import http
+
+        http.LORA_ADAPTER[0] = name
+
     # ---- the prompt ledger -------------------------------------------------------------
     def mark_trained(self, group_ids: list[int]) -> None:
         self.ledger.mark_trained(group_ids)

@@ -10,7 +10,10 @@ in the colocated default), verified by version and read-back like every run's:
            the engine loads it like any update; the cost added is the merge);
 - adapter: train.lora.rank=R; the adapter alone, gathered and written in peft format
            (adapter_model.safetensors + adapter_config.json), the files SGLang's
-           `/load_lora_adapter` reads; the engine's load is not included.
+           `/load_lora_adapter` reads; the engine's load is not included;
+- adapter-sglang (with --sglang-python): the adapter push of a run (trainer.lora_sync.
+           AdapterSync: write, `/load_lora_adapter` into a real SGLang CPU engine started
+           with --enable-lora, `/update_weight_version`, unload of older adapters).
 Each training group takes one RL step on a synthetic batch first (so the adapters are
 non-zero). Prints a markdown table; also the training rank's peak RSS per mode.
 """
@@ -42,12 +45,44 @@ def _peak_rss_mib(group) -> float:
     return ray.get(group.actors[0].__ray_call__.remote(peak))
 
 
+def _adapter_to_sglang(args, lora_cfg, placement, batch) -> tuple:
+    """The adapter-sglang row: AdapterSync into one real SGLang CPU engine serving LoRA."""
+    import dataclasses
+
+    from rollout.engines.group import EngineGroup
+    from trainer.lora_sync import AdapterSync
+    from trainer.train_group import TrainGroup
+
+    cfg = dataclasses.replace(lora_cfg, rollout=dataclasses.replace(
+        lora_cfg.rollout, engine="sglang", dtype="bfloat16", sglang_python=args.sglang_python))
+    engines = EngineGroup(cfg, placement)
+    group = TrainGroup(cfg, placement)
+    out = tempfile.mkdtemp(prefix="hg-adapter-push-")
+    try:
+        group.train_step(batch)
+        sync = AdapterSync(cfg, group, engines, disk_dir=out, announce=lambda name: None)
+        times, num_bytes = [], 0
+        for version in range(1, args.pushes + 1):
+            metrics = sync.push(version)
+            times.append(metrics["perf/weight_sync_time"])
+            num_bytes = metrics["perf/weight_sync_bytes"]
+        trainable = sum(t.numel() for _, t in group.adapter_tensors())
+        return ("adapter-sglang", num_bytes, statistics.median(times), min(times), trainable,
+                _peak_rss_mib(group))
+    finally:
+        group.shutdown()
+        engines.shutdown()
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=float, default=32.0)
     parser.add_argument("--pushes", type=int, default=5)
+    parser.add_argument("--sglang-python", default="",
+                        help="an SGLang venv's interpreter: add the adapter push to real SGLang")
     args = parser.parse_args()
 
     import ray
@@ -104,6 +139,9 @@ def main() -> None:
                              _peak_rss_mib(group)))
             finally:
                 group.shutdown()
+        if args.sglang_python:
+            engines.shutdown()  # its placement bundle hosts the SGLang engine next
+            rows.append(_adapter_to_sglang(args, lora_cfg, placement, batch))
     finally:
         engines.shutdown()
         placement.shutdown()

@@ -69,6 +69,31 @@ def test_config_validation():
         make_config(train={"backend": "megatron", "lora": {"rank": 8}})
 
 
+def test_push_mode_adapter_on_sglang_merged_on_the_cpu_engine():
+    """train.lora.push=auto sends SGLang engines the adapter (and starts them serving LoRA
+    of that rank on those modules), homegym's CPU engine merged weights; an adapter push to
+    the CPU engine is refused."""
+    from rollout.engines.actor import SGLANG_CPU_LORA_SHIM, spec_from_config
+
+    lora = {"rank": 8, "target_modules": ["q_proj", "v_proj"]}
+    sglang = make_config(rollout={"engine": "sglang", "dtype": "bfloat16"}, train={"lora": lora})
+    assert sglang.lora_push == "adapter"
+    spec = spec_from_config(sglang, "/m")
+    cmd = spec.command(1, None, "127.0.0.1")
+    at = cmd.index("--lora-target-modules")
+    assert cmd[at + 1:at + 3] == ["q_proj", "v_proj"] and "--enable-lora" in cmd
+    assert cmd[cmd.index("--max-lora-rank") + 1] == "8"
+    assert spec.env["PYTHONPATH"].split(":")[0] == SGLANG_CPU_LORA_SHIM
+    merged = make_config(rollout={"engine": "sglang", "dtype": "bfloat16"},
+                         train={"lora": {**lora, "push": "merged"}})
+    assert merged.lora_push == "merged"
+    assert "--enable-lora" not in spec_from_config(merged, "/m").command(1, None, "127.0.0.1")
+    assert make_config(train={"lora": lora}).lora_push == "merged"  # the CPU engine
+    assert make_config().lora_push is None
+    with pytest.raises(ConfigError, match="train.lora.push: adapter pushes need rollout.engine=sglang"):
+        make_config(train={"lora": {**lora, "push": "adapter"}})
+
+
 def test_zero_init_adapters_leave_the_model_unchanged(one_rank, tiny_model_path):
     """B = 0: the LoRA policy's log-probs and its merged weights are the base model's."""
     batch = make_batch(num_groups=2, group_size=4, seed=11)

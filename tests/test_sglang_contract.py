@@ -209,7 +209,7 @@ def test_pinned_version_launch_flags_are_server_args(contract):
     for device in ("cuda", "cpu"):
         spec = SGLangLaunch(model_path="/m", device=device, tp_size=2, enable_memory_saver=True,
                             random_seed=1, nccl_port=5, api_key="k", max_context_len=64,
-                            max_total_tokens=1024)
+                            max_total_tokens=1024, lora_rank=8, lora_target_modules=("q_proj",))
         used = {a for a in spec.command(1, None, "127.0.0.1") if a.startswith("--")}
         assert used - flags == set(), f"not ServerArgs of SGLang {contract.version}"
         assert len(used) >= 15

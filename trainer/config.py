@@ -246,9 +246,11 @@ class AlgoConfig:
 @dataclass
 class LoraConfig:
     """LoRA adapters (peft) on the FSDP backend: the base weights stay frozen, only the
-    adapters train and only they have optimizer state. Engines receive the merged weights
-    (base + alpha/rank * B @ A under the HF names), which every engine loads as it would
-    a full update."""
+    adapters train and only they have optimizer state. ``push`` says what engines
+    receive: ``merged`` weights (base + alpha/rank * B @ A under the HF names), which every
+    engine loads as it would a full update, or only the ``adapter``, which SGLang engines
+    load with ``/load_lora_adapter`` and apply to requests that name it (trainer/lora_sync.py);
+    ``auto`` = adapter with rollout.engine=sglang, merged with homegym's CPU engine."""
 
     rank: int = 0  # 0 = off: the full model trains
     alpha: float = 16.0
@@ -256,9 +258,11 @@ class LoraConfig:
     # Linear layers (by module name suffix) that get adapters: Qwen3/Llama attention and MLP.
     target_modules: List[str] = field(default_factory=lambda: [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    push: str = "auto"  # auto | merged | adapter
 
     def __post_init__(self) -> None:
         _check(self.rank >= 0, "train.lora.rank", "must be >= 0 (0 = LoRA off)")
+        _one_of(self.push, "train.lora.push", ("auto", "merged", "adapter"))
         _check(self.alpha > 0, "train.lora.alpha", "must be > 0")
         _check(0 <= self.dropout < 1, "train.lora.dropout", "must be in [0, 1)")
         if self.rank > 0:
@@ -499,6 +503,10 @@ class HomegymConfig:
         if self.algo.max_staleness > 0:
             _check(not cluster.colocate, "algo.max_staleness",
                    "must be 0 when cluster.colocate=true (colocated training is synchronous)")
+        if train.lora.enabled and train.lora.push == "adapter":
+            _check(rollout.engine == "sglang", "train.lora.push",
+                   "adapter pushes need rollout.engine=sglang (homegym's CPU engine loads "
+                   "merged weights: train.lora.push=merged or auto)")
         if train.share_prompts:
             _check(train.backend == "fsdp", "train.share_prompts", "needs train.backend=fsdp")
             _check(not train.gradient_checkpointing, "train.share_prompts",
@@ -512,6 +520,16 @@ class HomegymConfig:
         env = self.env.name.replace(":", ".").rsplit(".", 1)[-1].lower()
         model = self.model.path.rstrip("/").rsplit("/", 1)[-1]
         return f"{env}-{model}"
+
+    @property
+    def lora_push(self) -> Optional[str]:
+        """train.lora.push resolved: adapter | merged, None without LoRA."""
+        lora = self.train.lora
+        if not lora.enabled:
+            return None
+        if lora.push == "auto":
+            return "adapter" if self.rollout.engine == "sglang" else "merged"
+        return lora.push
 
     @property
     def shares_prompts(self) -> bool:

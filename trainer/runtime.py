@@ -137,9 +137,18 @@ class Runtime:
             _progress(f"starting {self.config.train.world_size} {self.config.train.backend} "
                       "training ranks")
             self.train_group = TrainGroup(self.config, self.placement)
-            self.weights = WeightSync(self.config, self.train_group, self.engines,
-                                      disk_dir=str(self.run_dir / "weight_push"))
             self.manager = RolloutManager.remote(self.config, self.engines.router_url)
+            if self.config.lora_push == "adapter":
+                from trainer.lora_sync import AdapterSync
+
+                manager = self.manager
+                self.weights = AdapterSync(
+                    self.config, self.train_group, self.engines,
+                    disk_dir=str(self.run_dir / "weight_push"),
+                    announce=lambda name: ray.get(manager.set_lora_adapter.remote(name)))
+            else:
+                self.weights = WeightSync(self.config, self.train_group, self.engines,
+                                          disk_dir=str(self.run_dir / "weight_push"))
             _progress("ready")
         except BaseException:
             self.close()

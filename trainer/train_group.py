@@ -117,6 +117,10 @@ class TrainActor:
             self.backend.save_adapter(os.path.join(os.path.dirname(os.path.normpath(out_dir)),
                                                    ADAPTER_DIR))
 
+    def save_adapter(self, out_dir: str) -> None:
+        """Rank 0 writes the LoRA adapter in peft format (collective: every rank gathers)."""
+        self.backend.save_adapter(out_dir)
+
     def adapter_tensors(self) -> Optional[list]:
         """A LoRA policy's adapter matrices under peft's names (rank 0's; collective)."""
         tensors = self.backend.adapter_tensors()
@@ -224,6 +228,9 @@ class TrainGroup:
 
     def export_hf(self, out_dir: str, source_dir: str, bucket_bytes: int) -> None:
         self._all("export_hf", str(out_dir), source_dir, bucket_bytes)
+
+    def save_adapter(self, out_dir: str) -> None:
+        self._all("save_adapter", str(out_dir))
 
     def adapter_tensors(self) -> list[tuple[str, Any]]:
         """A LoRA policy's adapter matrices (peft names), gathered on rank 0."""

@@ -139,6 +139,10 @@ class SGLangLaunch(LaunchSpec):
     max_total_tokens: Optional[int] = None
     extra_args: Sequence[str] = ()
     ready_timeout_s: float = 900.0
+    # > 0: serve LoRA adapters of up to this rank on these modules (peft names), loaded
+    # at run time with /load_lora_adapter (trainer/lora_sync.py).
+    lora_rank: int = 0
+    lora_target_modules: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         # The router health-checks every engine each second through /health; by default
@@ -151,6 +155,11 @@ class SGLangLaunch(LaunchSpec):
                 self.max_total_tokens = 65536
             # The weight loaders that re-pack AMX weights after an in-place update.
             path = [SGLANG_CPU_PLUGINS] + [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
+            if self.lora_rank:
+                # SGLang's LoRA layers pin host memory, which torch refuses without an
+                # accelerator; the shim (its own directory, on PYTHONPATH only here) makes
+                # pinning a no-op in the server (sglang_plugins/cpu_lora/sitecustomize.py).
+                path.insert(0, SGLANG_CPU_LORA_SHIM)
             self.env.setdefault("PYTHONPATH", ":".join(path))
             # Intel's OpenMP (the intel-openmp wheel SGLang's CPU dependencies bring) runs
             # its CPU kernels ~25% faster than libgomp.
@@ -185,6 +194,11 @@ class SGLangLaunch(LaunchSpec):
             cmd += ["--skip-server-warmup"]
         if self.device == "cpu":
             cmd += ["--custom-weight-loader", *SGLANG_CPU_LOADERS]
+        if self.lora_rank:
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.lora_rank),
+                    "--lora-target-modules", *self.lora_target_modules]
+            if self.device == "cpu":  # the default (csgmv) and triton kernels need Triton
+                cmd += ["--lora-backend", "torch_native"]
         return cmd + list(self.extra_args)
 
     def extra_ready_check(self) -> Optional[str]:
@@ -196,6 +210,7 @@ class SGLangLaunch(LaunchSpec):
 # loaders for that (rollout/engines/sglang_plugins/homegym_sglang_cpu.py) run in the server.
 SGLANG_CPU_PLUGINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_plugins")
 SGLANG_CPU_LOADERS = ("homegym_sglang_cpu.load", "homegym_sglang_cpu.load_and_repack")
+SGLANG_CPU_LORA_SHIM = os.path.join(SGLANG_CPU_PLUGINS, "cpu_lora")
 
 
 def _sglang_dtype(dtype: str) -> str:
@@ -385,5 +400,13 @@ def spec_from_config(config, model_path: str, *, engine_kind: Optional[str] = No
                             random_seed=config.train.seed + index,
                             python=r.sglang_python or sys.executable,
                             max_total_tokens=r.sglang_max_total_tokens,
-                            extra_args=tuple(r.sglang_args), **common)
+                            extra_args=tuple(r.sglang_args), **_lora_args(config), **common)
     raise ValueError(f"rollout.engine must be hf or sglang (got {kind!r})")
+
+
+def _lora_args(config) -> dict:
+    """LoRA serving flags of an engine that receives adapters (train.lora.push)."""
+    if config.lora_push != "adapter":
+        return {}
+    lora = config.train.lora
+    return dict(lora_rank=lora.rank, lora_target_modules=tuple(lora.target_modules))

@@ -225,6 +225,22 @@ class EngineClient:
     def weight_version(self) -> str:
         return str(self.call("/model_info", method="GET")["weight_version"])
 
+    def update_weight_version(self, version: Any) -> dict:
+        """Set the reported weight version without touching the weights (an adapter push);
+        requests in flight are left alone."""
+        return self.call("/update_weight_version",
+                         {"new_version": str(version), "abort_all_requests": False})
+
+    # ---- LoRA adapters (a server started with --enable-lora) ----
+    def load_lora_adapter(self, name: str, path: str) -> dict:
+        """Load the peft adapter directory ``path`` (readable by the server) as ``name``;
+        the answer's ``loaded_adapters`` maps every loaded name to its path."""
+        return self.call("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    def unload_lora_adapter(self, name: str) -> dict:
+        """Unregister ``name``; the server frees it once its requests in flight finish."""
+        return self.call("/unload_lora_adapter", {"lora_name": name})
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Optional[list]:
         """The first ``truncate_size`` rows of one weight, or None where the server cannot
         report weights by name (SGLang implements it for some model classes only, e.g.
