@@ -41,6 +41,9 @@ from rollout.engines.hf.batcher import Batcher, Request
 from rollout.engines.client import PINNED_SGLANG_VERSION, SUPPORTED_SGLANG_VERSIONS
 from rollout.engines.weights_io import deserialize_named_tensors, init_custom_process_group
 
+# How long a weight-update receive waits for the trainer's broadcast (init_weights_update_group).
+WEIGHT_GROUP_TIMEOUT_S = 60.0
+
 log = logging.getLogger("homegym.hf_server")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -613,8 +616,13 @@ class Server:
             backend = "gloo"  # the CPU engine receives over gloo whatever the GPU side says
         init = f"tcp://{body['master_address']}:{int(body['master_port'])}"
         try:
+            # Each receive waits at most this long for the trainer: a broadcast broken off
+            # (another engine died mid-push) would otherwise hold this engine's scheduler in
+            # a receive whose tensors never come; the trainer waits for this call's answer
+            # and the next push needs the scheduler. Tensors follow their request at once.
             pg = await asyncio.to_thread(init_custom_process_group, backend, init,
-                                         int(body["world_size"]), int(body["rank_offset"]), name)
+                                         int(body["world_size"]), int(body["rank_offset"]), name,
+                                         timeout_s=WEIGHT_GROUP_TIMEOUT_S)
         except Exception as exc:
             return _json({"success": False, "message": f"init_weights_update_group failed: {exc}"}, 400)
         self.groups[name] = pg
