@@ -4,14 +4,21 @@
     python scripts/chaos_soak.py --steps 8 --modes async --engine-kills 2
 
 Each mode runs `python -m trainer.main` once without faults (the reference wall time), then
-once under chaos: engine servers SIGKILLed at random moments, a training rank SIGKILLed
-(the run crashes and is resumed with train.resume=auto), and one SIGTERM (graceful stop,
-then resumed). At the end the run's prompt ledger (ledger.json in the run directory) must
-show every prompt group trained exactly once per epoch, and the figures are printed:
-faults injected, engine restarts, requests retried, groups dropped and replaced, and the
-wall-time overhead against the fault-free run.
+once under chaos, with a fault schedule every run meets (a fault waits for its moment,
+however many steps that takes, and the soak fails if one never lands):
+- engine servers SIGKILLed, alternately while generating (an engine seen decoding
+  requests) and in the layout's weight phase (async: an engine seen paused for a weight
+  push; colocated: an engine seen with its memory released for training, before the
+  resume and push), each once the previous kill's restart shows in the metrics;
+- a training rank SIGKILLed (the run crashes and is resumed with train.resume=auto);
+- one SIGTERM (graceful stop after the step, then resumed).
+At the end the run's prompt ledger (ledger.json in the run directory) must show every
+prompt group trained exactly once per epoch, and the figures are printed: faults injected
+(engine kills by phase), engine restarts, requests retried, groups dropped and replaced,
+and the wall-time overhead against the fault-free run.
 
-tests/test_faults_chaos.py runs a short version of the same code in CI.
+The engines are homegym's CPU engine (its /get_server_info reports running requests,
+paused and released). tests/test_faults_chaos.py runs a short version of the same code in CI.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -153,6 +161,42 @@ def launch(out_dir: Path, run_name: str, overrides: list[str], *,
     return Launch(proc)
 
 
+# ---------------------------------------------------------------------- engine phases
+def server_url(proc: psutil.Process) -> Optional[str]:
+    """The URL of an hf engine server, from the port file its command line names."""
+    try:
+        args = proc.cmdline()
+        host = args[args.index("--host") + 1]
+        port_file = args[args.index("--port-file") + 1] if "--port-file" in args else None
+        port = (Path(port_file).read_text().strip() if port_file
+                else args[args.index("--port") + 1])
+    except (psutil.Error, ValueError, IndexError, OSError):
+        return None
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{host}:{port}" if port and port != "0" else None
+
+
+def server_info(url: str) -> Optional[dict]:
+    try:
+        with urllib.request.urlopen(f"{url}/get_server_info", timeout=2) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+
+
+# What an engine reports (/get_server_info of homegym's CPU engine) while it is in a phase:
+# decoding requests of a rollout; paused for a weight update (async: pause, push,
+# continue); its memory released (colocated: release, train, resume and push).
+PHASES = {
+    "generation": lambda i: i.get("num_running_reqs", 0) > 0 and not i.get("paused")
+    and not i.get("released"),
+    "push": lambda i: bool(i.get("paused")),
+    "release": lambda i: bool(i.get("released")),
+}
+# The phase in which each layout changes an engine's weights.
+WEIGHT_PHASE = {"async": "push", "colocated": "release"}
+
+
 # ---------------------------------------------------------------------- the soak
 MODES = {
     "async": ["cluster.colocate=false", "algo.max_staleness=1"],
@@ -167,20 +211,59 @@ BASE = ["rollout.num_engines=2", "train.ranks_per_node=1", "warmup.steps=0",
 
 
 @dataclass
+class Fault:
+    """One fault of the schedule: armed once the run has logged step ``after``, and
+    injected at the first moment its condition holds (an engine fault: an engine is seen
+    in ``phase``), however many steps that takes."""
+
+    kind: str  # engine | rank | sigterm
+    after: int
+    phase: str = ""  # engine faults: generation | push | release
+    landed: str = ""  # where it landed, once injected
+
+
+def schedule(mode: str, *, steps: int, engine_kills: int, kill_rank_at: Optional[int],
+             sigterm_at: Optional[int], rng: random.Random) -> list[Fault]:
+    """Faults in the order they are injected. Engine kills alternate between generation
+    and the layout's weight phase (so any two include one of each), at random steps away
+    from the rank kill and the SIGTERM, and early enough that the run outlives their
+    recovery."""
+    busy = {s for at in (kill_rank_at, sigterm_at) if at is not None for s in (at - 1, at)}
+    candidates = [s for s in range(1, max(2, steps - 2)) if s not in busy]
+    at = sorted(rng.sample(candidates, k=min(engine_kills, len(candidates))))
+    phases = ["generation", WEIGHT_PHASE[mode]]
+    faults = [Fault("engine", s, phases[i % 2]) for i, s in enumerate(at)]
+    if kill_rank_at is not None:
+        faults.append(Fault("rank", kill_rank_at))
+    if sigterm_at is not None:
+        faults.append(Fault("sigterm", sigterm_at))
+    return sorted(faults, key=lambda f: f.after)  # stable: engine faults first on a tie
+
+
+@dataclass
 class Figures:
     mode: str
     steps: int
-    engine_kills: int = 0
+    engine_kills: dict = field(default_factory=dict)  # phase -> engines killed in it
     rank_kills: int = 0
     sigterms: int = 0
     launches: int = 0
     engine_restarts: float = 0.0
     request_retries: float = 0.0
+    failed_samples: float = 0.0
     ledger: dict = field(default_factory=dict)
     wall_s: float = 0.0
     reference_wall_s: Optional[float] = None
     sigterm_outcome: str = ""
     events: list = field(default_factory=list)
+
+    @property
+    def num_engine_kills(self) -> int:
+        return sum(self.engine_kills.values())
+
+    @property
+    def faults(self) -> int:
+        return self.num_engine_kills + self.rank_kills + self.sigterms
 
     def report(self) -> str:
         requeued = {k.removeprefix("ledger/requeued_"): v for k, v in sorted(self.ledger.items())
@@ -189,16 +272,19 @@ class Figures:
         outstanding = sum(self.ledger.get(f"ledger/{s}", 0.0)
                           for s in ("pending", "in_flight", "buffered", "generated"))
         overhead = (f"{self.wall_s - self.reference_wall_s:+.0f}s "
-                    f"({self.wall_s / self.reference_wall_s - 1:+.0%})"
+                    f"({self.wall_s / self.reference_wall_s - 1:+.0%}; fault-free "
+                    f"{self.reference_wall_s:.0f}s)"
                     if self.reference_wall_s else "not measured")
+        kills = ", ".join(f"{n} mid-{phase}" for phase, n in sorted(self.engine_kills.items()))
         return "\n".join([
             f"chaos soak [{self.mode}], {self.steps} steps, {self.launches} launches",
-            f"  faults injected: {self.engine_kills} engine kills, {self.rank_kills} training-rank "
-            f"kills (crash, resumed), {self.sigterms} SIGTERM ({self.sigterm_outcome or '-'}; "
-            f"resumed)",
+            f"  faults injected: {self.faults}: {self.num_engine_kills} engine kills "
+            f"({kills or '-'}), {self.rank_kills} training-rank kills (crash, resumed), "
+            f"{self.sigterms} SIGTERM ({self.sigterm_outcome or '-'}; resumed)",
             f"  when: {'; '.join(self.events) or '-'}",
-            f"  engine restarts: {self.engine_restarts:.0f}; requests retried: "
-            f"{self.request_retries:.0f}",
+            f"  engine restarts: {self.engine_restarts:.0f}; requests retried by post(): "
+            f"{self.request_retries:.0f} (the router re-sends a dead engine's requests "
+            f"itself, uncounted); samples failed: {self.failed_samples:.0f}",
             f"  groups dropped and generated again: {sum(requeued.values()):.0f} ({why}); "
             f"replaced: {self.ledger.get('ledger/replaced', 0):.0f}",
             f"  ledger: {self.ledger.get('ledger/trained', 0):.0f} groups trained, "
@@ -208,27 +294,27 @@ class Figures:
         ])
 
 
-def _metric_sum(run_dir: Path, key: str) -> float:
-    total = 0.0
+def _metric_rows(run_dir: Path, skip: int = 0) -> list[dict]:
+    """metrics.jsonl's rows after the first ``skip`` lines."""
     path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.exists() else []:
+    rows = []
+    for line in path.read_text().splitlines()[skip:] if path.exists() else []:
         try:
-            total += float(json.loads(line).get(key, 0.0))
+            rows.append(json.loads(line))
         except ValueError:
-            pass
-    return total
+            pass  # a line being written
+    return rows
+
+
+def _metric_sum(run_dir: Path, key: str) -> float:
+    return sum(float(r.get(key, 0.0)) for r in _metric_rows(run_dir))
 
 
 def _metric_max_per_launch(run_dir: Path, key: str) -> float:
     """``key`` is a run total that restarts at 0 with each launch: sum the launches' maxima
     (a launch shows as the step number falling back)."""
     total, best, last_step = 0.0, 0.0, 0
-    path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
+    for row in _metric_rows(run_dir):
         step = int(row.get("step", 0))
         if step < last_step:
             total, best = total + best, 0.0
@@ -237,11 +323,94 @@ def _metric_max_per_launch(run_dir: Path, key: str) -> float:
     return total + best
 
 
+class Injector:
+    """Injects ``faults`` into one launch, in order, each at the first moment its condition
+    holds; returns after a fault that ends the launch (rank kill, SIGTERM), when the
+    launch exits, or when the schedule is done. The schedule carries over to the next
+    launch."""
+
+    def __init__(self, run: Launch, run_dir: Path, faults: list[Fault], figures: Figures,
+                 rng: random.Random) -> None:
+        self.run, self.run_dir, self.faults = run, run_dir, faults
+        self.figures, self.rng = figures, rng
+        path = run_dir / "metrics.jsonl"
+        self.skip = len(path.read_text().splitlines()) if path.exists() else 0
+        self.killed_here = 0  # engines killed in this launch
+        self.ended_by: Optional[str] = None  # the fault that ended the launch
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+    def _alive(self) -> bool:
+        return not self.stop.is_set() and self.run.proc.poll() is None
+
+    def _recovered(self) -> bool:
+        """This launch has logged a step, and one that counts every engine killed in it
+        as restarted: nothing else is injected before that."""
+        rows = _metric_rows(self.run_dir, self.skip)
+        restarts = max((r.get("rollout/engine_restarts", 0.0) for r in rows), default=0.0)
+        return any("perf/step_time" in r for r in rows) and restarts >= self.killed_here
+
+    def _loop(self) -> None:
+        while self.faults and self._alive():
+            fault = self.faults[0]
+            step = steps_logged(self.run_dir)
+            if step < fault.after or not self._recovered():
+                time.sleep(0.2)
+                continue
+            if fault.kind == "engine":
+                self._kill_engine(fault, step)
+            elif fault.kind == "rank":
+                time.sleep(self.rng.uniform(0.0, 1.0))  # a random moment of the step
+                ranks = training_ranks(self.run.proc.pid)
+                if ranks and self._alive():
+                    ranks[0].send_signal(signal.SIGKILL)
+                    self._landed(fault, f"training rank killed in step {step + 1}")
+                    self.figures.rank_kills += 1
+                    self.ended_by = "rank"
+                    return
+            elif fault.kind == "sigterm":
+                self.run.proc.send_signal(signal.SIGTERM)
+                self._landed(fault, f"SIGTERM in step {step + 1}")
+                self.figures.sigterms += 1
+                self.ended_by = "sigterm"
+                return
+
+    def _kill_engine(self, fault: Fault, step: int) -> None:
+        """Poll the engines until one is seen in the fault's phase, then SIGKILL its server."""
+        in_phase = PHASES[fault.phase]
+        urls: dict[int, Optional[str]] = {}
+        while self._alive():
+            for proc in engine_servers(self.run.proc.pid, self.run_dir):
+                url = urls.get(proc.pid) or urls.setdefault(proc.pid, server_url(proc))
+                info = server_info(url) if url else None
+                if info is not None and in_phase(info):
+                    proc.send_signal(signal.SIGKILL)
+                    self.killed_here += 1
+                    self.figures.engine_kills[fault.phase] = \
+                        self.figures.engine_kills.get(fault.phase, 0) + 1
+                    running = info.get("num_running_reqs", 0)
+                    self._landed(fault, f"engine killed mid-{fault.phase} in step "
+                                        f"{steps_logged(self.run_dir) + 1} ({running} "
+                                        f"requests running)")
+                    return
+            time.sleep(0.02)
+
+    def _landed(self, fault: Fault, event: str) -> None:
+        fault.landed = event
+        self.figures.events.append(event)
+        self.faults.pop(0)
+
+
 def soak(out_dir: Path, mode: str, *, steps: int, engine_kills: int, kill_rank_at: Optional[int],
          sigterm_at: Optional[int], reference: bool, seed: int = 0,
          timeout_s: float = 3600) -> Figures:
-    """One chaos run of ``mode`` (see the module docstring); raises if it fails or if the
-    ledger does not prove exactly-once."""
+    """One chaos run of ``mode`` (see the module docstring); raises if it fails, if a
+    scheduled fault never landed, or if the ledger does not prove exactly-once."""
     rng = random.Random(seed)
     overrides = BASE + MODES[mode] + [f"train.num_steps={steps}"]
     figures = Figures(mode=mode, steps=steps)
@@ -253,79 +422,37 @@ def soak(out_dir: Path, mode: str, *, steps: int, engine_kills: int, kill_rank_a
         figures.reference_wall_s = time.monotonic() - t0
     name = f"{mode}-chaos"
     run_dir = out_dir / name
-    # Engine kills at random steps (a random moment inside them: the kill waits a random
-    # fraction of a step after the step is seen), away from the rank kill and the SIGTERM.
-    # Not in the step of (or before) the rank kill or the SIGTERM, nor the last ones: the
-    # run must live long enough after an engine kill to notice and restart it.
-    busy = {s for at in (kill_rank_at, sigterm_at) if at is not None for s in (at - 1, at)}
-    candidates = [s for s in range(1, steps - 1) if s not in busy]
-    kill_steps = sorted(rng.sample(candidates, k=min(engine_kills, len(candidates))))
+    faults = schedule(mode, steps=steps, engine_kills=engine_kills, kill_rank_at=kill_rank_at,
+                      sigterm_at=sigterm_at, rng=rng)
+    planned = [f"{f.kind}{'/' + f.phase if f.phase else ''} after step {f.after}" for f in faults]
     t0 = time.monotonic()
     done = False
     while not done:
         run = launch(out_dir, name, overrides)
         figures.launches += 1
-        stop = threading.Event()
-        injected: list[str] = []
-        last_engine_kill = [-10]
-
-        def inject() -> None:
-            pid = run.proc.pid
-            while not stop.is_set() and run.proc.poll() is None:
-                step = steps_logged(run_dir)
-                if kill_steps and step >= kill_steps[0]:
-                    kill_steps.pop(0)
-                    time.sleep(rng.uniform(0.0, 0.5))
-                    servers = engine_servers(pid, run_dir)
-                    if servers:
-                        rng.choice(servers).send_signal(signal.SIGKILL)
-                        figures.engine_kills += 1
-                        injected.append("engine")
-                        figures.events.append(f"engine killed in step {step + 1}")
-                        last_engine_kill[0] = step
-                    continue
-                # The run must get to restart a killed engine before it crashes or stops.
-                if step < last_engine_kill[0] + 2:
-                    time.sleep(0.2)
-                    continue
-                if kill_rank_at is not None and figures.rank_kills == 0 and step >= kill_rank_at:
-                    time.sleep(rng.uniform(0.0, 1.0))
-                    ranks = training_ranks(pid)
-                    if ranks:
-                        ranks[0].send_signal(signal.SIGKILL)
-                        figures.rank_kills += 1
-                        injected.append("rank")
-                        figures.events.append(f"training rank killed in step {step + 1}")
-                        return
-                if sigterm_at is not None and figures.sigterms == 0 and step >= sigterm_at:
-                    run.proc.send_signal(signal.SIGTERM)
-                    figures.sigterms += 1
-                    injected.append("sigterm")
-                    figures.events.append(f"SIGTERM in step {step + 1}")
-                    return
-                time.sleep(0.2)
-
-        injector = threading.Thread(target=inject, daemon=True)
-        injector.start()
+        injector = Injector(run, run_dir, faults, figures, rng)
         code = run.wait(timeout_s)
-        stop.set()
-        injector.join(10)
-        finished = "stopped after step" not in run.tail(3000) and code == 0
-        if "sigterm" in injected:
-            figures.sigterm_outcome = ("stopped after the step, saved" if code == 0
+        injector.close()
+        stopped = "stopped after step" in run.tail(3000)
+        if injector.ended_by == "sigterm":
+            figures.sigterm_outcome = ("stopped after the step, saved" if code == 0 and stopped
                                        else f"driver exited {code}")
-        if code != 0 and not {"rank", "sigterm"} & set(injected):
+        if code != 0 and injector.ended_by is None:
             raise RuntimeError(f"{name}: trainer.main exited {code} without an injected "
                                f"crash:\n{run.tail()}")
         if code != 0:
             run.kill_tree()  # what a crash leaves behind goes with it
-        done = finished
+        done = code == 0 and not stopped
         if figures.launches > 6:
             raise RuntimeError(f"{name}: still not finished after {figures.launches} launches")
     figures.wall_s = time.monotonic() - t0
     figures.engine_restarts = _metric_max_per_launch(run_dir, "rollout/engine_restarts")
     figures.request_retries = _metric_sum(run_dir, "rollout/request_retries")
+    figures.failed_samples = _metric_sum(run_dir, "rollout/failed_samples")
     figures.ledger = json.loads((run_dir / "ledger.json").read_text())
+    if faults:
+        raise RuntimeError(f"{name}: faults that never landed: {faults} (planned: {planned})\n"
+                           f"{figures.report()}")
     if figures.ledger.get("ledger/trained_twice", 0) != 0:
         raise RuntimeError(f"{name}: groups trained twice: {figures.ledger}")
     return figures

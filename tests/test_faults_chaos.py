@@ -1,16 +1,17 @@
-"""The chaos soak, short (scripts/chaos_soak.py runs the long one): an async run of 8 steps
-with an engine server SIGKILLed, the training rank SIGKILLed (crash, then resume) and one
-SIGTERM (graceful stop, then resume). It finishes every step, and its prompt ledger shows
-no group trained twice and every row of each completed epoch accounted for."""
+"""The chaos soak, short (scripts/chaos_soak.py runs the long one), in both layouts: 8
+steps with an engine server SIGKILLed while it generates, one SIGKILLed in the layout's
+weight phase (async: paused for a weight push; colocated: its memory released for
+training), the training rank SIGKILLed (crash, then resume) and one SIGTERM (graceful
+stop, then resume). Every fault lands, every killed engine is restarted, the run finishes
+every step, and its prompt ledger shows each group trained exactly once."""
 
 import importlib.util
+import random
 import sys
 
 import pytest
 
 from conftest import REPO, read_jsonl
-
-pytestmark = pytest.mark.slow
 
 
 def chaos_module():
@@ -21,17 +22,41 @@ def chaos_module():
     return sys.modules["chaos_soak"]
 
 
-def test_short_chaos_soak_async_trains_every_group_exactly_once(tmp_path):
+@pytest.mark.parametrize("mode", ["async", "colocated"])
+@pytest.mark.parametrize("steps", [8, 30])
+def test_the_schedule_kills_engines_in_both_phases_away_from_the_crash_and_the_stop(mode, steps):
     chaos = chaos_module()
-    figures = chaos.soak(tmp_path, "async", steps=8, engine_kills=1, kill_rank_at=3,
+    rank_at, sigterm_at = steps // 2, (3 * steps) // 4
+    for seed in range(20):
+        faults = chaos.schedule(mode, steps=steps, engine_kills=2, kill_rank_at=rank_at,
+                                sigterm_at=sigterm_at, rng=random.Random(seed))
+        engine = [f for f in faults if f.kind == "engine"]
+        assert sorted(f.phase for f in engine) == sorted(["generation",
+                                                          chaos.WEIGHT_PHASE[mode]])
+        assert [f.kind for f in faults if f.kind != "engine"] == ["rank", "sigterm"]
+        assert [f.after for f in faults] == sorted(f.after for f in faults)
+        # Not in the step of (or before) the crash or the stop, and not in the last ones.
+        assert all(f.after not in (rank_at - 1, rank_at, sigterm_at - 1, sigterm_at)
+                   and 1 <= f.after < steps - 2 for f in engine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["async", "colocated"])
+def test_short_chaos_soak_lands_every_fault_and_trains_every_group_exactly_once(tmp_path, mode):
+    chaos = chaos_module()
+    figures = chaos.soak(tmp_path, mode, steps=8, engine_kills=2, kill_rank_at=4,
                          sigterm_at=6, reference=False, seed=1, timeout_s=600)
     print(figures.report())
-    assert figures.engine_kills == 1 and figures.rank_kills == 1 and figures.sigterms == 1
-    assert figures.launches == 3
-    assert figures.engine_restarts >= 1
+    assert figures.engine_kills == {"generation": 1, chaos.WEIGHT_PHASE[mode]: 1}
+    assert figures.rank_kills == 1 and figures.sigterms == 1 and figures.faults == 4
+    assert figures.sigterm_outcome == "stopped after the step, saved"
+    assert figures.launches == 3  # the first crashed, the second stopped, the third finished
+    assert figures.engine_restarts == 2  # each killed engine, once
     assert figures.ledger["ledger/trained_twice"] == 0
-    # 8 steps x 2 groups, each trained once in the final lineage; 10 rows: epoch 0 whole.
+    # 8 steps x 2 groups, each trained once in the final lineage, none left on the way.
     assert figures.ledger["ledger/trained"] == 16
-    run_dir = tmp_path / "async-chaos"
+    assert sum(figures.ledger[f"ledger/{s}"]
+               for s in ("pending", "in_flight", "buffered", "generated")) == 0
+    run_dir = tmp_path / f"{mode}-chaos"
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "perf/train_time" in r]
     assert max(steps) == 8 and set(steps) == set(range(1, 9))
