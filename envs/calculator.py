@@ -9,11 +9,12 @@ the model makes, sends the results back as ``tool`` messages and scores the fina
 ``<answer>N</answer>``. A ~1M-parameter model cannot multiply 47 by 38, but it can copy the
 question into a tool call and the tool's result into its answer.
 
-``demo_reply`` is the warm-up's scripted player: half the time it calls the tool and
-copies the result, half the time it answers straight away with a guess (almost always
-wrong). The warmed-up base therefore uses the tool in about half of its episodes, and RL
-is meant to learn that the tool pays (with tiny-qwen3-tools it does not yet: the model
-learns the call format but not to copy the numbers; README, "Agents (OpenAI API)").
+``demo_reply`` is the warm-up's scripted player: mostly it calls the tool and copies the
+result, sometimes (``direct_prob``) it answers straight away with a guess (almost always
+wrong). The warmed-up base therefore skips the tool in about that share of its episodes,
+and RL learns that the tool pays. Copying is what the warm-up has to teach: the copy circuit
+forms late in a tiny model's SFT (the loss drops steeply once it does), so the warm-up is
+long and its transcripts are mostly tool calls.
 
 ``CalculatorEnv`` holds the dataset (rows from a seed, train and eval from different
 seeds) and scores a direct answer when played by the built-in driver without tools.
@@ -122,7 +123,7 @@ async def agent(client: Any, sample: Any, args: Any) -> float:
 
 
 def demo_reply(sample: Any, messages: list[dict], tools: Optional[list[dict]],
-               rng: random.Random, direct_prob: float = 0.5) -> str:
+               rng: random.Random, direct_prob: float = 0.3) -> str:
     """The scripted player's assistant text for the next call."""
     last = messages[-1]
     if last["role"] == "tool":
