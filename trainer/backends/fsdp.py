@@ -33,6 +33,22 @@ from rollout.models import cache_kwarg, keeps_boolean_logits
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _full_copy(value: torch.Tensor, device, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """``value`` (a DTensor shard or a plain tensor) gathered whole on ``device`` in
+    ``dtype``, sharing no storage with it. Each rank casts its shard before the gather,
+    which moves that many fewer bytes (the cast is elementwise: the gathered tensor cast)."""
+    local = value.to_local() if hasattr(value, "to_local") else value
+    if dtype is not None:
+        value = value.to(dtype)
+    full = value.full_tensor() if hasattr(value, "full_tensor") else value
+    full = full.to(device)
+    # The gather's output is already a fresh tensor; only a tensor that is (a view of) the
+    # parameter itself needs copying.
+    if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        full = full.clone()
+    return full
+
+
 def _kept(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Logits at the ``keep`` positions, flattened row-major. With a boolean
     ``logits_to_keep`` transformers already returns them so; a model that ignores it
@@ -237,23 +253,39 @@ class FSDPBackend(StepLoop):
         the HF checkpoint stores. ``dtype``: each rank casts its shard before the gather,
         which moves and copies that many fewer bytes (the cast is elementwise, so the
         result is the gathered tensor cast)."""
+        for name, value in self._state_items(adapters_only):
+            yield name, _full_copy(value, device, dtype)
+
+    def _state_items(self, adapters_only: bool = False) -> list[tuple[str, torch.Tensor]]:
         # named_parameters() lists a shared parameter once, under its first name.
         unique = {n for n, _ in self.model.named_parameters()}
         tied = {n for n, _ in self.model.named_parameters(remove_duplicate=False)} - unique
-        for name, value in self.model.state_dict().items():
-            if name in tied or (adapters_only and ".lora_" not in name):
-                continue
-            value = value.detach()
-            local = value.to_local() if hasattr(value, "to_local") else value
-            if dtype is not None:
-                value = value.to(dtype)
-            full = value.full_tensor() if hasattr(value, "full_tensor") else value
-            full = full.to(device)
-            # The gather's output is already a fresh tensor; only a tensor that is (a view
-            # of) the parameter itself needs copying.
-            if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-                full = full.clone()
-            yield name, full
+        return [(name, value.detach()) for name, value in self.model.state_dict().items()
+                if name not in tied and not (adapters_only and ".lora_" not in name)]
+
+    def _host_buckets(self, bucket_bytes: int, dtype: Optional[torch.dtype]) -> Iterator[NamedTensors]:
+        """named_weight_buckets through shared memory (ranks on one host, CPU): each
+        bucket's shards go into one /dev/shm buffer instead of a gloo gather per tensor."""
+        from trainer.backends.host_gather import HostGather
+
+        if getattr(self, "_host_gather", None) is None:
+            self._host_gather = HostGather(self.rank, self.world_size)
+        host = self._host_gather
+        plan: list[NamedTensors] = [[]]
+        size = 0
+        for name, value in self._state_items():
+            nbytes = value.numel() * (dtype or value.dtype).itemsize
+            if plan[-1] and size + nbytes > bucket_bytes:
+                plan.append([])
+                size = 0
+            plan[-1].append((name, value))
+            size += nbytes
+        for key, named in enumerate(plan):
+            if (named and host.can_gather([v for _, v in named])
+                    and len({dtype or v.dtype for _, v in named}) == 1):
+                yield host.gather(key, named, dtype)
+            elif named:
+                yield [(n, _full_copy(v, "cpu", dtype)) for n, v in named]
 
     def named_weight_buckets(self, bucket_bytes: int, device: str = "cpu",
                              dtype: Optional[torch.dtype] = None) -> Iterator[NamedTensors]:
@@ -273,6 +305,9 @@ class FSDPBackend(StepLoop):
             items = merged_tensors(self._full_state(device), self.lora_layers)
             if dtype is not None:
                 items = ((n, t.to(dtype)) for n, t in items)
+        elif device == "cpu" and self.device.type == "cpu" and self.world_size > 1:
+            yield from self._host_buckets(bucket_bytes, dtype)
+            return
         else:
             items = self._full_state(device, dtype=dtype)
         bucket: NamedTensors = []
