@@ -1,8 +1,10 @@
 """FSDP2 training ranks as real Ray actors over gloo: equivalence, learning, checkpoints, export."""
 
 import os
+import time
 
 import pytest
+import ray
 import torch
 from safetensors.torch import load_file
 
@@ -167,3 +169,29 @@ def test_train_step_improves_objective_and_sft_lowers_nll(group2):
 def test_save_load_restores_params_and_optimizer(group2, tmp_path):
     assert_save_load_round_trip(group2, make_batch(num_groups=4, group_size=4, seed=7),
                                 str(tmp_path / "ckpt"))
+
+
+def test_shutdown_leaves_no_shared_memory_behind(ray_local, tiny_model_path):
+    """Two ranks on one host gather weights through /dev/shm; a rank killed while such a
+    buffer is mapped leaves the file there for good (it is memory), so shutdown frees the
+    backend first."""
+    config = make_config(train={"ranks_per_node": 2})
+    placement = Placement(config)
+    group = TrainGroup(config, placement)
+    try:
+        pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in group.actors])
+        group.named_weight_buckets(200_000)
+
+        def files() -> list[str]:
+            return sorted(f for f in os.listdir("/dev/shm")
+                          if any(f.startswith(f"torch_{pid}_") for pid in pids))
+
+        assert files(), "the weights were not gathered through shared memory"
+        group.shutdown()
+        deadline = time.monotonic() + 30
+        while files() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert files() == []
+    finally:
+        group.shutdown()
+        placement.shutdown()

@@ -139,8 +139,15 @@ class TrainActor:
         self.backend.onload()
 
     def shutdown(self) -> None:
+        import gc
+
         import torch.distributed as dist
 
+        # Free the backend's tensors before the group kills this process: a /dev/shm
+        # buffer (the host gather's, torch's file_system sharing) still mapped at SIGKILL
+        # stays behind in /dev/shm, which is memory, for the life of the machine.
+        self.backend = None
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 
