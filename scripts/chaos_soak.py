@@ -310,19 +310,6 @@ def _metric_sum(run_dir: Path, key: str) -> float:
     return sum(float(r.get(key, 0.0)) for r in _metric_rows(run_dir))
 
 
-def _metric_max_per_launch(run_dir: Path, key: str) -> float:
-    """``key`` is a run total that restarts at 0 with each launch: sum the launches' maxima
-    (a launch shows as the step number falling back)."""
-    total, best, last_step = 0.0, 0.0, 0
-    for row in _metric_rows(run_dir):
-        step = int(row.get("step", 0))
-        if step < last_step:
-            total, best = total + best, 0.0
-        last_step = step
-        best = max(best, float(row.get(key, 0.0)))
-    return total + best
-
-
 class Injector:
     """Injects ``faults`` into one launch, in order, each at the first moment its condition
     holds; returns after a fault that ends the launch (rank kill, SIGTERM), when the
@@ -433,6 +420,9 @@ def soak(out_dir: Path, mode: str, *, steps: int, engine_kills: int, kill_rank_a
         injector = Injector(run, run_dir, faults, figures, rng)
         code = run.wait(timeout_s)
         injector.close()
+        # rollout/engine_restarts is a total per launch: this launch's own rows give its share.
+        figures.engine_restarts += max((float(r.get("rollout/engine_restarts", 0.0))
+                                        for r in _metric_rows(run_dir, injector.skip)), default=0.0)
         stopped = "stopped after step" in run.tail(3000)
         if injector.ended_by == "sigterm":
             figures.sigterm_outcome = ("stopped after the step, saved" if code == 0 and stopped
@@ -446,7 +436,6 @@ def soak(out_dir: Path, mode: str, *, steps: int, engine_kills: int, kill_rank_a
         if figures.launches > 6:
             raise RuntimeError(f"{name}: still not finished after {figures.launches} launches")
     figures.wall_s = time.monotonic() - t0
-    figures.engine_restarts = _metric_max_per_launch(run_dir, "rollout/engine_restarts")
     figures.request_retries = _metric_sum(run_dir, "rollout/request_retries")
     figures.failed_samples = _metric_sum(run_dir, "rollout/failed_samples")
     figures.ledger = json.loads((run_dir / "ledger.json").read_text())
