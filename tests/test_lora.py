@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from conftest import run_main
-from train_batches import (assert_save_load_round_trip, exported_params, free_port, make_batch,
+from conftest import free_port, run_main
+from train_batches import (assert_save_load_round_trip, exported_params, make_batch,
                            make_config)
 from trainer.config import ConfigError
 

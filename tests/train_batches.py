@@ -62,12 +62,6 @@ def make_config(**overrides):
     return build_config(base)
 
 
-def free_port() -> int:
-    from rollout.engines.actor import free_port as _free_port  # the one helper
-
-    return _free_port("127.0.0.1")
-
-
 def exported_params(group) -> dict:
     """A training group's weights as exported for the engines: {HF name: tensor}."""
     return {n: t for bucket in group.named_weight_buckets(1 << 20) for n, t in bucket}
