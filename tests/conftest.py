@@ -95,6 +95,20 @@ def fake_run_dir(tmp_path, model_dir, *, step: int = 3, name: str = "run") -> Pa
     return run
 
 
+def chaos_module():
+    """scripts/chaos_soak.py as a module (its fault injection serves tests too), loaded once."""
+    import importlib.util
+    import sys
+
+    if "chaos_soak" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("chaos_soak",
+                                                      REPO / "scripts" / "chaos_soak.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["chaos_soak"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["chaos_soak"]
+
+
 def wait_for(predicate, *, timeout_s: float, what: str, interval_s: float = 0.01):
     """Poll ``predicate`` until it returns something truthy (returned); fail naming
     ``what`` after ``timeout_s``."""

@@ -5,21 +5,11 @@ training), the training rank SIGKILLed (crash, then resume) and one SIGTERM (gra
 stop, then resume). Every fault lands, every killed engine is restarted, the run finishes
 every step, and its prompt ledger shows each group trained exactly once."""
 
-import importlib.util
 import random
-import sys
 
 import pytest
 
-from conftest import REPO, read_jsonl
-
-
-def chaos_module():
-    spec = importlib.util.spec_from_file_location("chaos_soak", REPO / "scripts" / "chaos_soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("chaos_soak", module)
-    spec.loader.exec_module(sys.modules["chaos_soak"])
-    return sys.modules["chaos_soak"]
+from conftest import chaos_module, read_jsonl
 
 
 @pytest.mark.parametrize("mode", ["async", "colocated"])

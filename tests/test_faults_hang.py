@@ -3,13 +3,11 @@ loop in step 2. After train.hang_timeout_s the run fails with a message naming t
 actor call, and <run dir>/hang/ holds the stacks of the driver, the actors and the engine
 servers (py-spy), the manager's showing the blocking line."""
 
-import importlib.util
-import sys
 import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, chaos_module
 
 pytestmark = pytest.mark.slow
 
@@ -29,14 +27,6 @@ async def hang_in_step_2(args, sample, sampling_params):
 
 async def constant_rm(args, sample, **kwargs):
     return 1.0
-
-
-def chaos_module():
-    spec = importlib.util.spec_from_file_location("chaos_soak", REPO / "scripts" / "chaos_soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("chaos_soak", module)
-    spec.loader.exec_module(sys.modules["chaos_soak"])
-    return sys.modules["chaos_soak"]
 
 
 def test_a_stuck_step_fails_the_run_naming_the_call_and_dumps_every_stack(tmp_path):
