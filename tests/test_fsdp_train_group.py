@@ -172,15 +172,21 @@ def test_save_load_restores_params_and_optimizer(group2, tmp_path):
 
 
 def test_shutdown_leaves_no_shared_memory_behind(ray_local, tiny_model_path):
-    """Two ranks on one host gather weights through /dev/shm; a rank killed while such a
-    buffer is mapped leaves the file there for good (it is memory), so shutdown frees the
-    backend first."""
+    """Two ranks on one host gather weights through /dev/shm and stage pushes there; a rank
+    killed while such a buffer is mapped leaves the file there for good (it is memory), so
+    shutdown frees both first."""
     config = make_config(train={"ranks_per_node": 2})
     placement = Placement(config)
     group = TrainGroup(config, placement)
     try:
         pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in group.actors])
         group.named_weight_buckets(200_000)
+
+        def stage(actor):  # what a push to the hf engines stages (trainer.weights)
+            from trainer import weights
+
+            weights._STAGING.flatten(0, [("x", torch.ones(1000))])
+        ray.get([a.__ray_call__.remote(stage) for a in group.actors])
 
         def files() -> list[str]:
             return sorted(f for f in os.listdir("/dev/shm")

@@ -143,10 +143,13 @@ class TrainActor:
 
         import torch.distributed as dist
 
-        # Free the backend's tensors before the group kills this process: a /dev/shm
-        # buffer (the host gather's, torch's file_system sharing) still mapped at SIGKILL
-        # stays behind in /dev/shm, which is memory, for the life of the machine.
+        from trainer.weights import release_staging
+
+        # Free the backend's tensors and the staged push buffers before the group kills
+        # this process: a /dev/shm buffer (torch's file_system sharing) still mapped at
+        # SIGKILL stays behind in /dev/shm, which is memory, for the life of the machine.
         self.backend = None
+        release_staging()
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()

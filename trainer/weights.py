@@ -329,6 +329,12 @@ class _Sender:
 _STAGING = SharedStaging()
 
 
+def release_staging() -> None:
+    """Free this process's staged push buffers (before it is killed: a /dev/shm file still
+    mapped then outlives the process)."""
+    _STAGING.clear()
+
+
 class _TensorSender(_Sender):
     def __init__(self, plan: PushPlan, rank: int, world_size: int):
         tp = [t.tp_size for t in plan.targets]

@@ -230,6 +230,10 @@ class SharedStaging:
     def __init__(self) -> None:
         self._buckets: dict[int, tuple[tuple, dict]] = {}
 
+    def clear(self) -> None:
+        """Drop the buffers (their /dev/shm files go with the last reference)."""
+        self._buckets.clear()
+
     def flatten(self, key: int, named_tensors) -> dict:
         named_tensors = list(named_tensors)
         layout = tuple((str(n), tuple(t.shape), t.dtype) for n, t in named_tensors)
