@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 from rollout.engines.client import EngineError
-from trainer.weights import WeightSyncError
+from trainer.weights import WeightSyncError, check_reported_versions
 
 PREFIX = "homegym-v"
 
@@ -91,12 +91,7 @@ class AdapterSync:
                 "perf/weight_sync_time": time.perf_counter() - start}
 
     def verify(self, version: int, engines=None) -> None:
-        reported = (engines or self.engines).weight_versions()
-        stale = [i for i, v in enumerate(reported) if str(v) != str(version)]
-        if stale:
-            raise WeightSyncError(f"engines {stale} report weight versions "
-                                  f"{[reported[i] for i in stale]} after pushing adapter "
-                                  f"version {version}")
+        check_reported_versions(engines or self.engines, version, "adapter version")
 
     @staticmethod
     def _load(client, name: str, path: str) -> dict:

@@ -189,11 +189,17 @@ class WeightSync:
         self.train_group.destroy_weight_broadcast()
 
     def verify(self, version: int, engines=None) -> None:
-        reported = (engines or self.engines).weight_versions()
-        stale = [i for i, v in enumerate(reported) if str(v) != str(version)]
-        if stale:
-            raise WeightSyncError(f"engines {stale} report weight versions "
-                                  f"{[reported[i] for i in stale]} after pushing version {version}")
+        check_reported_versions(engines or self.engines, version, "version")
+
+
+def check_reported_versions(engines, version: int, what: str) -> None:
+    """Every engine of ``engines`` (an EngineGroup or EngineView) reports ``version`` after
+    a push of ``what`` (for the message); else a WeightSyncError naming the ones that don't."""
+    reported = engines.weight_versions()
+    stale = [i for i, v in enumerate(reported) if str(v) != str(version)]
+    if stale:
+        raise WeightSyncError(f"engines {stale} report weight versions "
+                              f"{[reported[i] for i in stale]} after pushing {what} {version}")
 
 
 # ---------------------------------------------------------------------------------------
