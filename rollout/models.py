@@ -2,7 +2,7 @@
 
 ``resolve_model_path`` turns ``model.path`` into a local HF checkpoint directory:
 - an existing directory is used as it is;
-- ``tiny-qwen3`` and ``tiny-qwen3-tools`` are ~1M-parameter Qwen3-architecture models
+- ``tiny-qwen3``, ``tiny-qwen3-tools`` (Qwen3) and ``tiny-qwen3_5`` (Qwen3.5) are tiny models
   built from code (``rollout.tiny_models``) into the cache on first use (no network), and
   rebuilt when their builder's version changes;
 - ``smollm2-135m`` is SmolLM2-135M-Instruct, converted once from the GGUF file that the
@@ -31,7 +31,7 @@ class ModelPathError(ValueError):
     """``model.path`` names no usable local model (the message starts with the key)."""
 
 
-BUILTIN_MODELS = ("tiny-qwen3", "tiny-qwen3-tools", "smollm2-135m")
+BUILTIN_MODELS = ("tiny-qwen3", "tiny-qwen3-tools", "tiny-qwen3_5", "smollm2-135m")
 
 def keeps_boolean_logits(model) -> bool:
     """Whether the model's forward takes a boolean [B, L] ``logits_to_keep`` (newer

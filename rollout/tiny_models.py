@@ -4,7 +4,9 @@ with a small byte-level BPE trained on the task's own texts.
 - ``tiny-qwen3``: the guessing game's tags as single tokens, a plain ChatML template;
 - ``tiny-qwen3-tools``: one token per digit, the tool-call tags, and a chat template with
   Qwen3's tool-calling layout (tools in the system turn, ``<tool_call>`` JSON, results in
-  ``<tool_response>``).
+  ``<tool_response>``);
+- ``tiny-qwen3_5``: Qwen3.5's hybrid architecture (Gated DeltaNet + gated attention) in its
+  vision-language checkpoint layout, with tiny-qwen3's tokenizer.
 
 ``rollout.models.resolve_model_path`` builds them into the cache on first use.
 """
@@ -152,7 +154,91 @@ def _build_tiny_qwen3(out: Path, tools: bool = False) -> None:
         {"builtin": "tiny-qwen3-tools" if tools else "tiny-qwen3"}))
 
 
+# Qwen3.5's vision special tokens: the checkpoint's config names their ids (a VLM), so the
+# tiny tokenizer has them too, though no tiny run feeds images.
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def tiny_qwen3_5_config(vocab_size: int, *, eos_token_id: int, pad_token_id: int,
+                        vision_ids: dict[str, int]):
+    """The real ``Qwen3_5Config`` (a vision-language checkpoint) at toy size: 4 text layers,
+    3 Gated DeltaNet + 1 gated full attention (Qwen3.5's 1 in 4), head dims 64 everywhere
+    (SGLang's CPU GDN kernels take 64 or 128 with equal key and value dims), partial rotary
+    (a quarter of the head), a one-block vision tower, one MTP layer. Embeddings tied in the
+    parent AND the text config: ``AutoModelForCausalLM`` reads only the text config, whose
+    default is untied."""
+    from transformers import Qwen3_5Config
+
+    text = dict(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], full_attention_interval=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_conv_kernel_dim=4, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2],
+                         "mrope_interleaved": True},
+        rms_norm_eps=1e-6, tie_word_embeddings=True, mtp_num_hidden_layers=1,
+        mtp_use_dedicated_embeddings=False, bos_token_id=None, eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=128, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=16)
+    return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                         **vision_ids)
+
+
+def _mtp_tensors(config) -> dict:
+    """Qwen3.5's multi-token-prediction head as its checkpoints store it (``mtp.*``, which
+    SGLang's qwen3_5_mtp.py loads and transformers skips): one full-attention decoder layer,
+    ``fc`` from [embedding; hidden] to hidden, and three (1 + w) RMSNorms."""
+    import copy
+
+    import torch
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
+
+    text = copy.deepcopy(config.text_config)
+    text.num_hidden_layers, text.layer_types = 1, ["full_attention"]
+    layer = Qwen3_5TextModel(text).layers[0]  # initialised by transformers' own post_init
+    hidden = text.hidden_size
+    fc = torch.empty(hidden, 2 * hidden).normal_(0.0, text.initializer_range)
+    out = {f"mtp.layers.0.{k}": v.contiguous() for k, v in layer.state_dict().items()}
+    out.update({"mtp.fc.weight": fc, "mtp.norm.weight": torch.zeros(hidden),
+                "mtp.pre_fc_norm_embedding.weight": torch.zeros(hidden),
+                "mtp.pre_fc_norm_hidden.weight": torch.zeros(hidden)})
+    return out
+
+
+def _build_tiny_qwen3_5(out: Path) -> None:
+    """A ~1M-parameter Qwen3.5 (hybrid Gated DeltaNet + gated attention) saved in the layout
+    of Qwen's own Qwen3.5 checkpoints: ``Qwen3_5ForConditionalGeneration`` with
+    ``model.language_model.*``, ``model.visual.*`` and ``mtp.*``; tiny-qwen3's tokenizer
+    and ChatML template."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    tokenizer = _build_tiny_tokenizer()
+    tokenizer.add_tokens(VISION_TOKENS, special_tokens=True)
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                    "video_token_id"), tokenizer.convert_tokens_to_ids(VISION_TOKENS)))
+    config = tiny_qwen3_5_config(len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id, vision_ids=ids)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    weights = out / "model.safetensors"
+    tensors = load_file(weights)
+    tensors.update(_mtp_tensors(config))
+    save_file(tensors, weights, metadata={"format": "pt"})
+    tokenizer.save_pretrained(out)
+    (out / "homegym_model.json").write_text(json.dumps({"builtin": "tiny-qwen3_5"}))
+
+
 # name -> (builder, version). Bump a version when its builder's output changes: caches
 # built by an older version are rebuilt on next use.
 TINY_BUILDERS = {"tiny-qwen3": (_build_tiny_qwen3, 1),
-                 "tiny-qwen3-tools": (_build_tiny_qwen3_tools, 2)}
+                 "tiny-qwen3-tools": (_build_tiny_qwen3_tools, 2),
+                 "tiny-qwen3_5": (_build_tiny_qwen3_5, 1)}

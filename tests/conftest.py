@@ -25,6 +25,14 @@ def tiny_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5_path() -> str:
+    """The built-in hybrid model (Gated DeltaNet + gated attention, Qwen3.5's VLM layout)."""
+    from rollout.models import resolve_model_path
+
+    return resolve_model_path("tiny-qwen3_5")
+
+
+@pytest.fixture(scope="session")
 def ray_local():
     """A real local Ray instance for the whole session (started and stopped here)."""
     import ray

@@ -84,3 +84,38 @@ def test_smollm2_from_the_packaged_gguf():
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     reply = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "paris" in reply.lower(), reply
+
+
+def test_tiny_qwen3_5_has_the_real_checkpoint_layout(tiny_qwen3_5_path):
+    """tiny-qwen3_5 is saved as Qwen's Qwen3.5 checkpoints are (the vision-language class,
+    text under model.language_model, a vision tower, an MTP layer), with head dims SGLang's
+    CPU GDN kernels take, and AutoModelForCausalLM loads its text model with the embedding
+    still tied to the LM head."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    config = Qwen3_5Config.from_pretrained(tiny_qwen3_5_path)
+    text = config.text_config
+    assert config.architectures == ["Qwen3_5ForConditionalGeneration"]
+    assert text.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert text.linear_key_head_dim == text.linear_value_head_dim in (64, 128)
+    assert text.head_dim in (64, 128)
+    raw = json.load(open(os.path.join(tiny_qwen3_5_path, "config.json")))
+    assert raw["text_config"]["full_attention_interval"] == 4  # what SGLang reads
+    with safe_open(os.path.join(tiny_qwen3_5_path, "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert {k.split(".layers.")[0].split(".")[0] + "." + k.split(".")[1] for k in keys} >= {
+        "model.language_model", "model.visual", "mtp.layers", "mtp.fc"}
+    assert "lm_head.weight" not in keys  # tied
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3_5_path)
+    assert tok.convert_tokens_to_ids("<|image_pad|>") == config.image_token_id < len(tok)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_5_path)
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    full = Qwen3_5ForConditionalGeneration.from_pretrained(tiny_qwen3_5_path)
+    ids = torch.tensor([tok("<answer>7</answer> lower", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, full(input_ids=ids).logits)

@@ -1,0 +1,1 @@
+"""Model math that both the trainer and homegym's CPU engine run (pure torch on CPU)."""
