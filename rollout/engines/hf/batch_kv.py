@@ -73,12 +73,22 @@ class BatchKV:
                 new[:self.rows, :, c1 - w:c1] = old[:self.rows, :, self.c0:self.c1]
         self.c0, self.c1 = c1 - w, c1
 
+    def _layer_views(self) -> list[GrowingLayer]:
+        return [GrowingLayer.from_buffers(k[:self.rows, :, self.c0:], v[:self.rows, :, self.c0:],
+                                          self.width) for k, v in zip(self.k, self.v)]
+
     def _views(self) -> None:
         cache = DynamicCache()
-        cache.layers = [GrowingLayer.from_buffers(k[:self.rows, :, self.c0:],
-                                                  v[:self.rows, :, self.c0:], self.width)
-                        for k, v in zip(self.k, self.v)]
+        cache.layers = self._layer_views()
         self.cache = cache
+
+    def add_cache(self, cache, rows: Optional[torch.Tensor] = None) -> None:
+        """Append the rows of a prefill's ``cache`` (or its rows ``rows``)."""
+        self.add(cache.layers, rows)
+
+    def row_states(self, i: int) -> list:
+        """Row ``i``'s recurrent states, for the prefix cache (none: KV only)."""
+        return []
 
     def add(self, layers, rows: Optional[torch.Tensor] = None) -> None:
         """Append rows (``layers``: per layer a cache layer with ``keys``/``values``
@@ -106,15 +116,20 @@ class BatchKV:
         for hole, src in zip(holes, movers):
             order[hole] = src
         if holes:
-            dst, src = torch.tensor(holes), torch.tensor(movers)
-            for buf in self.k + self.v:
-                window = buf[:, :, self.c0:self.c1]
-                window.index_copy_(0, dst, window.index_select(0, src))
+            self._move_rows(torch.tensor(holes), torch.tensor(movers))
         self.rows = n
         if n == 0:  # an idle engine holds no KV
-            self.k, self.v, self.c0, self.c1 = [], [], 0, 0
+            self._drop_buffers()
         self._views()
         return order
+
+    def _move_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        for buf in self.k + self.v:
+            window = buf[:, :, self.c0:self.c1]
+            window.index_copy_(0, dst, window.index_select(0, src))
+
+    def _drop_buffers(self) -> None:
+        self.k, self.v, self.c0, self.c1 = [], [], 0, 0
 
     def trim_left(self, first: int) -> None:
         """Drop the first ``first`` active columns (padding in every row)."""
@@ -132,3 +147,47 @@ class BatchKV:
     def stepped(self) -> None:
         """The forward wrote column ``c1`` of every row (through the views)."""
         self.c1 += 1
+
+
+class HybridKV(BatchKV):
+    """The running batch of a hybrid model (rollout/engines/hf/hybrid.py): BatchKV for the
+    attention layers, and per GDN layer each row's conv and recurrent state in a row slot
+    of buffers that, like the KV's, outlive the batch's changes (rows joining are written
+    into free slots, rows leaving are replaced by the last rows)."""
+
+    def __init__(self, spare_cols: int = 64, spare_rows: int = 16):
+        super().__init__(spare_cols, spare_rows)
+        self.states: list[tuple[torch.Tensor, torch.Tensor]] = []  # [row capacity, ...]
+
+    def add_cache(self, cache, rows: Optional[torch.Tensor] = None) -> None:
+        n = cache.states[0][0].shape[0] if rows is None else len(rows)
+        r0 = self.rows
+        if not self.states or r0 + n > self.states[0][0].shape[0]:
+            cap = r0 + n + self.spare_rows
+            old = self.states
+            self.states = [(c.new_zeros(cap, *c.shape[1:]), r.new_zeros(cap, *r.shape[1:]))
+                           for c, r in cache.states]
+            for (c, r), (c0, r0_) in zip(self.states, old):
+                c[:r0], r[:r0] = c0[:r0], r0_[:r0]
+        for (c, r), (cn, rn) in zip(self.states, cache.states):
+            c[r0:r0 + n] = cn if rows is None else cn.index_select(0, rows)
+            r[r0:r0 + n] = rn if rows is None else rn.index_select(0, rows)
+        super().add_cache(cache, rows)
+
+    def _views(self) -> None:
+        from rollout.engines.hf.hybrid import HybridCache
+
+        self.cache = HybridCache(self._layer_views(),
+                                 [(c[:self.rows], r[:self.rows]) for c, r in self.states])
+
+    def _move_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        super()._move_rows(dst, src)
+        for buf in (x for pair in self.states for x in pair):
+            buf.index_copy_(0, dst, buf.index_select(0, src))
+
+    def _drop_buffers(self) -> None:
+        super()._drop_buffers()
+        self.states = []
+
+    def row_states(self, i: int) -> list:
+        return [(c[i].clone(), r[i].clone()) for c, r in self.states]

@@ -10,6 +10,11 @@ One scheduler thread owns the model. Between decode steps it
 4. drops finished rows (the last rows move into their slots) and trims cache columns that
    are padding in every remaining row, so a long finished prompt stops costing attention.
 
+A hybrid model (Qwen3.5: Gated DeltaNet layers) runs hybrid.py's forward, and each row
+also carries its recurrent states, which move with it as rows join and leave (HybridKV);
+the prefix cache then keeps the states at the end of each finished sequence, reused by a
+prompt that extends that sequence exactly.
+
 Positions are explicit per row (count of real tokens), so left padding and merging never
 shift RoPE; pad columns are masked out, so a row's log-probs equal a fresh forward pass
 of that row alone (up to float rounding).
@@ -40,8 +45,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from rollout.engines.hf import fast_kernels, lean
-from rollout.engines.hf.batch_kv import BatchKV
+from rollout.engines.hf import fast_kernels, hybrid, lean
+from rollout.engines.hf.batch_kv import BatchKV, HybridKV
 from rollout.engines.hf.fast_kernels import GrowingLayer
 from rollout.models import cache_kwarg
 
@@ -111,7 +116,8 @@ def sample_plain(scaled: torch.Tensor, generator: torch.Generator, want_lp: bool
 
 
 class PrefixCache:
-    """Finished sequences' KV, LRU by bytes, looked up by longest prefix of a new prompt.
+    """Finished sequences' KV (and a hybrid model's recurrent states at their end), LRU by
+    bytes, looked up by longest prefix of a new prompt.
 
     Multi-turn RL sends prompt_{t+1} = prompt_t + output_t + environment tokens; without
     this, every turn re-prefills the whole conversation. An entry is removed when used
@@ -140,8 +146,8 @@ class PrefixCache:
         self.refs.clear()
         self.bytes = 0
 
-    def _drop(self, key: tuple) -> list:
-        kv = self.entries.pop(key)
+    def _drop(self, key: tuple) -> tuple:
+        entry = self.entries.pop(key)
         self.refs.pop(key, None)
         self.bytes -= self.sizes.pop(key)
         n = self.length_counts[len(key)] - 1
@@ -149,15 +155,17 @@ class PrefixCache:
             self.length_counts[len(key)] = n
         else:
             del self.length_counts[len(key)]
-        return kv
+        return entry
 
-    def put(self, tokens: tuple, kv: list) -> None:
-        size = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
+    def put(self, tokens: tuple, kv: list, states: list = ()) -> None:
+        """``kv``: per attention layer (K, V) [kv heads, len(tokens), head dim];
+        ``states``: per recurrent layer its state after ``tokens`` (hybrid models)."""
+        size = sum(x.numel() * x.element_size() for pair in (*kv, *states) for x in pair)
         if size > self.max_bytes:
             return
         if self.add_ref(tokens):
             return
-        self.entries[tokens] = kv
+        self.entries[tokens] = (kv, list(states))
         self.sizes[tokens] = size
         self.length_counts[len(tokens)] = self.length_counts.get(len(tokens), 0) + 1
         self.bytes += size
@@ -186,8 +194,10 @@ class PrefixCache:
         return len(key) if key else 0
 
     def pop_longest(self, ids: list[int]):
-        """(length, kv) of the longest cached proper prefix of ``ids`` (at least one token
-        must remain to compute: its logits give the first new token), or None."""
+        """(length, kv, states) of the longest cached proper prefix of ``ids`` (at least one
+        token must remain to compute: its logits give the first new token), or None. A
+        hybrid model's states hold exactly the entry's tokens, which is why entries are
+        whole finished sequences and a prompt reuses one only when it extends it."""
         key = self._longest(ids) if self.entries else None
         if key is None:
             return None
@@ -196,8 +206,8 @@ class PrefixCache:
         refs = self.refs.get(key, 1)
         if refs > 1:  # shared: readers copy it (prefill), never write it
             self.refs[key] = refs - 1
-            return len(key), self.entries[key]
-        return len(key), self._drop(key)
+            return (len(key), *self.entries[key])
+        return (len(key), *self._drop(key))
 
 
 class Batcher:
@@ -227,7 +237,11 @@ class Batcher:
         self._pending: list[Request] = []  # admitted from `waiting` but not yet prefilled
         # Running batch state.
         self.rows: list[Request] = []
-        self.kv = BatchKV()  # the running rows' KV (self.kv.cache: views for forward())
+        # A hybrid model (Gated DeltaNet layers) also keeps each row's recurrent states.
+        self._hybrid = hybrid.is_hybrid(model.config)
+        if self._hybrid and not hybrid.supports(model):
+            raise ValueError(hybrid.unsupported(model))
+        self.kv = self._new_kv()  # the running rows' KV (self.kv.cache: views for forward())
         self.mask: Optional[torch.Tensor] = None  # [B, T] 1 = real token
         self.pos: Optional[torch.Tensor] = None  # [B] position of the next input token
         self.last: Optional[torch.Tensor] = None  # [B] last sampled token (not yet fed)
@@ -239,6 +253,8 @@ class Batcher:
         # a Llama-family architecture allow (rollout/engines/hf/lean.py; same results).
         self._lean = (lean.LeanForward(model) if lean.supports(model) and getattr(
             model.config, "_attn_implementation", None) == fast_kernels.ATTN_NAME else None)
+        if self._hybrid:  # transformers' forward has no per-row states to continue from
+            self._lean = hybrid.HybridForward(model)
         self.thread = threading.Thread(target=self._loop, name="hf-batcher", daemon=True)
 
     # ---- API used by the HTTP layer (any thread) ----
@@ -316,6 +332,9 @@ class Batcher:
             except Exception as exc:  # never leave clients hanging on an internal error
                 self._fail_all(exc)
 
+    def _new_kv(self) -> BatchKV:
+        return HybridKV() if self._hybrid else BatchKV()
+
     def _fresh_batch(self) -> bool:
         """No running row has decoded yet (or there is none): the batch is a wave still
         forming. Holding it for stragglers costs no decode progress."""
@@ -390,7 +409,7 @@ class Batcher:
         for r in self.rows + self._pending:
             self._finish(r, {"type": "abort", "message": msg})
         self.rows, self._pending = [], []
-        self.kv = BatchKV()
+        self.kv = self._new_kv()
         self.mask = self.pos = self.last = None
 
     def note_weight_update(self, version: Optional[str]) -> None:
@@ -421,7 +440,7 @@ class Batcher:
         for r in self.rows + self._pending:
             self._finish(r, {"type": "abort", "message": reason})
         self.rows, self._pending = [], []
-        self.kv = BatchKV()
+        self.kv = self._new_kv()
         self.mask = self.pos = self.last = None
 
     def _finish(self, r: Request, reason: dict) -> None:
@@ -476,7 +495,7 @@ class Batcher:
         looked up by tokens), so one forward row, expanded to all of them, is exact."""
         from transformers import DynamicCache
 
-        pasts = [self.prefix_cache.pop_longest(r.input_ids) for r in reqs]
+        pasts = [self.prefix_cache.pop_longest(r.input_ids) for r in reqs]  # (len, kv, states)
         plen_all = [p[0] if p else 0 for p in pasts]
         slot: dict[tuple, int] = {}
         inv = [slot.setdefault((n, tuple(r.input_ids)), len(slot))
@@ -499,7 +518,8 @@ class Batcher:
             pos[u, S - n:] = torch.arange(p, p + n)
         for r, p in zip(reqs, plen_all):
             r.cached_tokens = p
-        cache = DynamicCache()
+        cache = (hybrid.new_cache(self.model, b) if self._hybrid
+                 else DynamicCache())
         if P > 0:
             layers = []
             ref = next(p for p in pasts if p)[1]
@@ -512,6 +532,11 @@ class Batcher:
                         v[u, :, P - plen[u]:P] = pasts[i][1][li][1]
                 layers.append(GrowingLayer.from_buffers(k, v, P))
             cache.layers = layers
+        if self._hybrid:  # each row continues from the states at the end of its past
+            for u, i in enumerate(uniq):
+                for (conv, rec), (c0, r0) in zip(cache.states, pasts[i][2] if pasts[i] else ()):
+                    conv[u].copy_(c0)
+                    rec[u].copy_(r0)
         logits, cache = self._forward(ids, mask, pos, cache)
         self.stats["prefill_rows"] += b
         inv_t = torch.tensor(inv, dtype=torch.long)  # request -> forward row
@@ -561,7 +586,7 @@ class Batcher:
             return
         kv = [(layer.keys[i].index_select(1, real), layer.values[i].index_select(1, real))
               for layer in self.kv.cache.layers]
-        self.prefix_cache.put(tokens, kv)
+        self.prefix_cache.put(tokens, kv, self.kv.row_states(i))
 
     def _append_tokens(self, reqs, tokens, logps) -> list[int]:
         """Record one sampled token per request; return indices of unfinished ones."""
@@ -680,7 +705,7 @@ class Batcher:
         """Add prefilled requests to the running batch: their KV (``cache``, or its rows
         ``rows``) goes into free slots, right-aligned with the running rows."""
         t_old = self.kv.width
-        self.kv.add(cache.layers, rows)
+        self.kv.add_cache(cache, rows)
         width = self.kv.width
 
         def lpad(m, n):

@@ -27,6 +27,7 @@ import functools
 import glob
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -52,12 +53,22 @@ OPEN_ROUTES = {"/health"}
 # Versions whose tensor / distributed weight updates need a weight-update session.
 SESSION_VERSIONS = {"0.5.23"}
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+# A vision-language checkpoint (Qwen3.5's) keeps its text model under this prefix; the
+# engine serves the text model alone (transformers' AutoModelForCausalLM, as SGLang's
+# language_model_only), so updates may name tensors either way, and the vision tower's and
+# MTP layer's tensors are accepted and left out, as SGLang's loader skips them.
+VLM_TEXT_PREFIX = "model.language_model."
+VLM_SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 BUSY = ("requests are still running or queued; retract or finish them first "
         "(When there are running or waiting requests, the operation will not be performed.)")
 
 
 class BadRequest(ValueError):
     """A client mistake: answered with HTTP 400 and this message."""
+
+
+class StartupError(RuntimeError):
+    """What this server cannot serve: one line, exit status 2."""
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -143,6 +154,7 @@ class Server:
         self.model = AutoModelForCausalLM.from_pretrained(
             args.model_path, dtype=DTYPES[args.dtype], attn_implementation=attn)
         self.model.eval()
+        self.vlm_checkpoint = _is_vlm_checkpoint(args.model_path)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.max_context_len = int(args.max_context_len or getattr(cfg, "max_position_embeddings", 4096))
@@ -153,10 +165,13 @@ class Server:
             elif isinstance(src, (list, tuple)):
                 eos.update(int(x) for x in src)
         self.eos_ids = eos
-        self.batcher = Batcher(self.model, self.tokenizer, eos, self.max_context_len,
-                               max_batch_size=args.max_running_requests,
-                               weight_version=args.weight_version,
-                               prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)))
+        try:
+            self.batcher = Batcher(self.model, self.tokenizer, eos, self.max_context_len,
+                                   max_batch_size=args.max_running_requests,
+                                   weight_version=args.weight_version,
+                                   prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)))
+        except ValueError as exc:  # a model the engine cannot run (hybrid.unsupported)
+            raise StartupError(str(exc)) from None
         self.groups: dict[str, Any] = {}
         self.released_shapes: Optional[dict] = None
         self.weights_need_update = False
@@ -503,7 +518,7 @@ class Server:
 
     async def get_weights_by_name(self, request):
         body = await _body(request)
-        name = body.get("name")
+        name = self._engine_name(body.get("name"))
         sd = self.model.state_dict()
         if name not in sd:
             return _error("Get parameter by name failed", 400)
@@ -533,6 +548,16 @@ class Server:
                              "end_weight_update()")
 
     # ---- weights ----
+    def _engine_name(self, name):
+        """The engine's parameter name for a tensor named as in the checkpoint; None for a
+        vision-language checkpoint's tensors the text model does not have."""
+        if self.vlm_checkpoint and isinstance(name, str):
+            if name.startswith(VLM_TEXT_PREFIX):
+                return "model." + name[len(VLM_TEXT_PREFIX):]
+            if name.startswith(VLM_SKIPPED_PREFIXES):
+                return None
+        return name
+
     def _apply(self, named: list[tuple[str, torch.Tensor]], body: dict) -> dict:
         """Validate everything, then copy: a bad update leaves the old weights untouched.
         Then flush the prefix cache if asked (SGLang's default), which fails the call
@@ -541,6 +566,7 @@ class Server:
         if self.released_shapes is not None:
             raise BadRequest("weights are released; call /resume_memory_occupation first")
         sd = self.model.state_dict()
+        named = [(n, t) for n, t in ((self._engine_name(n), t) for n, t in named) if n is not None]
         for name, tensor in named:
             if name not in sd:
                 raise BadRequest(f"unknown parameter {name!r}")
@@ -726,6 +752,14 @@ class Server:
         return _json(None)
 
 
+def _is_vlm_checkpoint(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return "text_config" in orjson.loads(f.read())
+    except (OSError, orjson.JSONDecodeError):
+        return False
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", required=True)
@@ -781,6 +815,9 @@ def main(argv=None) -> None:
         asyncio.run(serve(args))
     except KeyboardInterrupt:
         pass
+    except StartupError as exc:
+        print(f"homegym: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
