@@ -67,6 +67,17 @@ def engine_group(ray_local, tiny_model_path, tmp_path):
         group.shutdown()
 
 
+def fresh_logprobs(model, prompt, output, temperature):
+    """Log-probs of ``output`` tokens from one plain forward pass over prompt + output,
+    temperature-scaled as the engines report them."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+
+
 def push_tensors(client, named_tensors, version=None) -> dict:
     """Load (name, tensor) pairs into one engine through SGLang's own tensor route, in
     SGLang's payload format (what the training ranks send)."""

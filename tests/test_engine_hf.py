@@ -7,7 +7,7 @@ import pytest
 import requests
 import torch
 
-from conftest import push_tensors, wait_for
+from conftest import fresh_logprobs, push_tensors, wait_for
 from rollout.models import cache_kwarg
 from rollout.engines import (PINNED_SGLANG_VERSION, EngineError, EngineServer, HFLaunch,
                              MultiprocessingSerializer)
@@ -36,16 +36,6 @@ def gen(engine, payload, status=200):
     r = requests.post(engine.url + "/generate", json=payload, timeout=60)
     assert r.status_code == status, r.text
     return r.json()
-
-
-def fresh_logprobs(model, prompt, output, temperature):
-    """Log-probs of ``output`` tokens from one plain forward pass over prompt + output."""
-    ids = torch.tensor([prompt + output])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
 
 
 def prompts(n, lo=3, hi=60, seed=0):

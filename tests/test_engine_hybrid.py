@@ -11,7 +11,7 @@ import pytest
 import requests
 import torch
 
-from conftest import push_tensors
+from conftest import fresh_logprobs, push_tensors
 from rollout.engines import EngineServer, HFLaunch
 
 CTX = 256
@@ -45,15 +45,6 @@ def models(tiny_qwen3_5_path):
                 p.add_(torch.randn(p.shape, generator=g) * 0.3)
                 q.copy_(p)
     return engine_model, ref
-
-
-def fresh_logprobs(model, prompt, output, temperature):
-    ids = torch.tensor([prompt + output])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
 
 
 def prompts(lengths, seed, vocab=400):
