@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from trainer.config import ConfigError, HomegymConfig, build_config, register_schema
+from config.schema import ConfigError, HomegymConfig, build_config, register_schema
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 # Hydra's global state is per process: one composition at a time.

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 # The choices of the keys that select an implementation. OmegaConf types these fields as
 # str (it has no Literal support), so each is checked against its Literal here, and the
-# registries that implement them (trainer/backends, trainer/algo) are keyed by the same
+# registries that implement them (trainer/training/backends, trainer/training/algo) are keyed by the same
 # names and checked against them at import.
 Backend = Literal["fsdp", "megatron"]
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp"]
@@ -81,7 +81,7 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     # Threads per torch process; on small CPU boxes one thread per process is fastest.
     torch_threads: int = 1
-    # The GPU, for the start-up memory plan (trainer/memory_plan.py): H100 | H200 | A100 |
+    # The GPU, for the start-up memory plan (trainer/driver/memory_plan.py): H100 | H200 | A100 |
     # A100-40GB; gpu_memory_gib (GiB per GPU), when set, is used instead of that table.
     gpu_type: str = "H100"
     gpu_memory_gib: Optional[float] = None
@@ -249,7 +249,7 @@ class LoraConfig:
     adapters train and only they have optimizer state. ``push`` says what engines
     receive: ``merged`` weights (base + alpha/rank * B @ A under the HF names), which every
     engine loads as it would a full update, or only the ``adapter``, which SGLang engines
-    load with ``/load_lora_adapter`` and apply to requests that name it (trainer/lora_sync.py);
+    load with ``/load_lora_adapter`` and apply to requests that name it (trainer/weight_sync/adapter.py);
     ``auto`` = adapter with rollout.engine=sglang, merged with homegym's CPU engine."""
 
     rank: int = 0  # 0 = off: the full model trains
@@ -301,13 +301,13 @@ class TrainConfig:
     # A training step (rollout, train, weight push, checkpoint, evaluation) that makes no
     # progress for this long is a hang: the stacks of the driver, every actor and every
     # engine server are dumped (py-spy) into <run dir>/hang/, and the run fails naming the
-    # actor call that is stuck (trainer/watchdog.py). null: no watchdog.
+    # actor call that is stuck (trainer/driver/watchdog.py). null: no watchdog.
     hang_timeout_s: Optional[float] = 1800.0
     weight_bucket_mb: int = 64  # weight sync bucket size
     # How weights reach the engines: auto | tensor (handles to the ranks' buckets: CUDA
     # IPC / shared memory) | distributed (broadcast over a process group) | disk (files
     # the engines load). auto: tensor colocated, distributed disaggregated, disk for
-    # SGLang on CPU (trainer/weights.py says why).
+    # SGLang on CPU (trainer/weight_sync/push.py says why).
     weight_sync: str = "auto"
     # Megatron parallelism (ignored by fsdp).
     tensor_model_parallel_size: int = 1
@@ -321,7 +321,7 @@ class TrainConfig:
     # longest common prefix (the prompt, and a first turn they have in common): it runs
     # once and its KV cache (with grad) is handed to the rest of each sample, which runs
     # packed without padding; log-probs are unchanged. Training then uses homegym's SDPA
-    # attention (trainer/backends/packed_attention.py) whatever model.attn_implementation
+    # attention (trainer/training/backends/packed_attention.py) whatever model.attn_implementation
     # says. Needs train.backend=fsdp without gradient checkpointing (transformers drops
     # the cache under checkpointing); null = on where it applies.
     share_prompts: Optional[bool] = None

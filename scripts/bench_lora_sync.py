@@ -11,7 +11,7 @@ in the colocated default), verified by version and read-back like every run's:
 - adapter: train.lora.rank=R; the adapter alone, gathered and written in peft format
            (adapter_model.safetensors + adapter_config.json), the files SGLang's
            `/load_lora_adapter` reads; the engine's load is not included;
-- adapter-sglang (with --sglang-python): the adapter push of a run (trainer.lora_sync.
+- adapter-sglang (with --sglang-python): the adapter push of a run (trainer.weight_sync.adapter.
            AdapterSync: write, `/load_lora_adapter` into a real SGLang CPU engine started
            with --enable-lora, `/update_weight_version`, unload of older adapters).
 Each training group takes one RL step on a synthetic batch first (so the adapters are
@@ -50,8 +50,8 @@ def _adapter_to_sglang(args, lora_cfg, placement, batch) -> tuple:
     import dataclasses
 
     from rollout.engines.group import EngineGroup
-    from trainer.lora_sync import AdapterSync
-    from trainer.train_group import TrainGroup
+    from trainer.weight_sync.adapter import AdapterSync
+    from trainer.training.train_group import TrainGroup
 
     cfg = dataclasses.replace(lora_cfg, rollout=dataclasses.replace(
         lora_cfg.rollout, engine="sglang", dtype="bfloat16", sglang_python=args.sglang_python))
@@ -90,13 +90,13 @@ def main() -> None:
 
     from rollout.engines.group import EngineGroup
     from train_batches import make_batch
-    from trainer.backends.lora import save_adapter
-    from trainer.config import build_config
+    from trainer.training.backends.lora import save_adapter
+    from config import build_config
     from rollout.models import resolve_model_path
-    from trainer.placement import Placement
-    from trainer.runtime import connect_ray
-    from trainer.train_group import TrainGroup
-    from trainer.weights import WeightSync
+    from trainer.training.placement import Placement
+    from trainer.driver.runtime import connect_ray
+    from trainer.training.train_group import TrainGroup
+    from trainer.weight_sync.push import WeightSync
 
     def config(rank: int):
         return build_config({

@@ -15,7 +15,7 @@ TRL (`pip install -c constraints.txt -e '.[bench]'`) is an optional benchmark de
    = the environment with ``max_turns=1``), each system runs ``--steps`` GRPO steps of
    prompts x samples episodes, in its own subprocess (so thread settings and imports cannot
    leak), one after the other in this invocation:
-   - homegym through its public path, ``trainer.loop.train(compose_config(overrides))``:
+   - homegym through its public path, ``trainer.driver.loop.train(compose_config(overrides))``:
      real Ray, HF engine(s) behind sglang-router, FSDP rank(s), weight sync; timings from
      its metrics.jsonl (perf/step_time, rollout_time, train_time, weight_sync_time).
      ``homegym`` is colocated and synchronous (engine and rank take turns);
@@ -84,7 +84,7 @@ def warm_model(args) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rollout.demos import make_demos
-    from trainer.compose import compose_config
+    from config import compose_config
     from rollout.models import resolve_model_path
 
     torch.set_num_threads(1)
@@ -142,8 +142,8 @@ def run_homegym(args, model_path: str, task: str, out: Path, *, overlap: bool = 
 
     threads = 1 if overlap else args.threads
     torch.set_num_threads(threads)
-    from trainer.compose import compose_config
-    from trainer.loop import train
+    from config import compose_config
+    from trainer.driver.loop import train
 
     run_name = f"homegym{'_async' if overlap else ''}-{task}"
     # A fresh run every time: an earlier run's checkpoints would otherwise be resumed.
@@ -160,7 +160,7 @@ def run_homegym(args, model_path: str, task: str, out: Path, *, overlap: bool = 
     # A Ray instance of our own: a bare ray.init() would join any other cluster on the box.
     import ray
 
-    from trainer.runtime import worker_env
+    from trainer.driver.runtime import worker_env
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1,
                                            config.num_engines + config.train.world_size + 2),
              include_dashboard=False, runtime_env={"env_vars": worker_env(config)},
@@ -388,7 +388,7 @@ def run_limit(args, model_path: str, task: str, out: Path, ref: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
     from rollout.demos import make_demos
-    from trainer.compose import compose_config
+    from config import compose_config
 
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(model_path)

@@ -64,11 +64,11 @@ def main() -> None:
     import torch
 
     from rollout.engines.group import EngineGroup
-    from trainer.compose import compose_config
-    from trainer.placement import Placement
-    from trainer.runtime import connect_ray
-    from trainer.train_group import TrainGroup
-    from trainer.weights import WeightSync
+    from config import compose_config
+    from trainer.training.placement import Placement
+    from trainer.driver.runtime import connect_ray
+    from trainer.training.train_group import TrainGroup
+    from trainer.weight_sync.push import WeightSync
 
     cfg = compose_config(["+recipe=smollm2_cpu", *args.overrides])
     connect_ray(cfg)

@@ -113,7 +113,7 @@ def smoke_batch():
 
 
 def smoke_config(backend: str, device: str, model_path: str, dtype: str = "float32"):
-    from trainer.config import build_config
+    from config import build_config
 
     cluster = {"device": device, "torch_threads": 1 if device == "cpu" else 4}
     rollout = {"rollout_batch_size": 2, "n_samples_per_prompt": 4}
@@ -308,7 +308,7 @@ class BackendChecks:
         return f"{kind} world_size=1 all_reduce on {self.device}"
 
     def init(self):
-        from trainer.backends import make_backend
+        from trainer.training.backends import make_backend
 
         backend = make_backend(self.name)
         backend.init(smoke_config(self.name, "cuda" if self.cuda else "cpu", self.model_path),
@@ -470,12 +470,12 @@ class BackendChecks:
             raise Skip("flash-attn path is the FSDP backend's")
         if not self.cuda:
             raise Skip("needs CUDA")
-        from trainer.backends import packed_attention as pa
+        from trainer.training.backends import packed_attention as pa
 
         if not pa.flash_available():
             raise Skip(f"flash_attn is not importable ({pa.flash_import_error})")
         self._need_backend()
-        from trainer.backends import make_backend
+        from trainer.training.backends import make_backend
 
         bf16 = make_backend("fsdp")
         bf16.init(smoke_config("fsdp", "cuda", self.model_path, dtype="bfloat16"), 0, 1)

@@ -5,7 +5,7 @@
     python scripts/memory_plan.py +recipe=qwen_8b --gpu H200        # or --gpu-memory-gib 141
 
 Arguments are Hydra overrides, composed exactly as ``python -m trainer.main`` composes them
-(``trainer.compose.compose_config``). ``--gpu`` / ``--gpu-memory-gib`` set the GPU for this plan
+(``config.compose.compose_config``). ``--gpu`` / ``--gpu-memory-gib`` set the GPU for this plan
 (the same as ``cluster.gpu_type`` / ``cluster.gpu_memory_gib`` where the config has them).
 Exit status: 0 when the layout fits, 1 when it does not (the start-up check would refuse
 it, with the message printed last), 2 for a config error.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.config import ConfigError  # noqa: E402
+from config import ConfigError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +recipe=qwen_4b")
     args = parser.parse_args(argv)
 
-    from trainer.compose import compose_config
-    from trainer.memory_plan import plan_memory
+    from config import compose_config
+    from trainer.driver.memory_plan import plan_memory
 
     try:
         config = compose_config(args.overrides)

@@ -104,7 +104,7 @@ def fake_run_dir(tmp_path, model_dir, *, step: int = 3, name: str = "run") -> Pa
     ``latest`` pointing at it."""
     import shutil
 
-    from trainer.checkpoint import MARKER
+    from trainer.driver.checkpoint import MARKER
 
     run = Path(tmp_path) / name
     step_dir = run / "checkpoints" / f"step_{step:06d}"
@@ -239,8 +239,8 @@ def no_leaked_actors_or_servers_per_module(request):
 
 def compose_config(*overrides):
     """The run config as `python -m trainer.main OVERRIDES` composes it (homegym's one
-    composition, trainer.compose)."""
-    from trainer.compose import compose_config
+    composition, config.compose)."""
+    from config import compose_config
 
     return compose_config(overrides)
 

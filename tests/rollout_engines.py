@@ -7,7 +7,7 @@ from typing import Iterator
 
 
 def config(**rollout):
-    from trainer.config import build_config
+    from config import build_config
 
     base = {"num_engines": 2, "rollout_batch_size": 4, "n_samples_per_prompt": 4,
             "max_response_len": 8}

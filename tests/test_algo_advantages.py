@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trainer.algo.advantages import (
+from trainer.training.algo.advantages import (
     discounted_returns, grpo_advantages, last_token_mask, masked_whiten, reinforce_pp_returns,
     rloo_advantages, sequence_advantages)
 

@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.algo.losses import (
+from trainer.training.algo.losses import (
     LossNorms, aggregate, entropy_from_logits, gspo_loss, kl_penalty, ppo_clip_loss,
     tis_weights, token_log_probs)
-from trainer.algo.objective import TokenInputs, policy_objective, sft_objective
+from trainer.training.algo.objective import TokenInputs, policy_objective, sft_objective
 
 
 def t(*values):

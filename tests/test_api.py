@@ -12,7 +12,7 @@ from conftest import REPO, clean_env, read_jsonl, run_group
 from trainer import api
 from trainer.api import (DatasetConfig, NumberGuessCPURecipe, Qwen3_4B, Qwen3_4B_Recipe,
                          TinyQwen3, TrainConfig)
-from trainer.config import ConfigError
+from config import ConfigError
 
 
 
@@ -111,13 +111,13 @@ def test_notebook_function_is_shipped_by_value_to_ray_workers(ray_local):
         return float(len(sample)) + bonus
 
     path = api.ship_function(my_rm, "recipe.custom_rm_function")
-    assert path.startswith("trainer.shipping:shipped__my_rm__")
+    assert path.startswith("trainer.api.shipping:shipped__my_rm__")
 
     @ray_local.remote
     def load_and_call(p):
         import asyncio
 
-        import trainer.shipping as shipping
+        import trainer.api.shipping as shipping
         shipping._SHIPPED.clear()  # a fresh worker would not have it: force the KV path
         from rollout.args import load_plugin
 
@@ -156,7 +156,7 @@ def test_seed_example_runs_end_to_end(tmp_path):
     summary = json.loads(line[len("RESULT "):])
     run_dir = Path(summary["run_dir"])
     cfg = (run_dir / "config.yaml").read_text()
-    assert "trainer.shipping:shipped__number_guess_rm__" in cfg  # shipped by value from __main__
+    assert "trainer.api.shipping:shipped__number_guess_rm__" in cfg  # shipped by value from __main__
     assert (run_dir / "data" / "train.parquet").exists()
     # The two RL steps ran.
     steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "rollout/raw_reward" in m]

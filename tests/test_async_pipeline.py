@@ -7,7 +7,7 @@ import pytest
 
 from rollout.batch_ref import BatchRef
 from rollout.sample import RolloutBatch
-from trainer.pipeline import RolloutPipeline, filter_stale
+from trainer.driver.pipeline import RolloutPipeline, filter_stale
 
 
 def batch(versions, groups):

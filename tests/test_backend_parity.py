@@ -19,7 +19,7 @@ import torch
 
 from conftest import REPO
 from train_batches import make_batch, make_config
-from trainer.backends.schedule import total_optimizer_steps
+from trainer.training.backends.schedule import total_optimizer_steps
 
 TESTS = Path(__file__).resolve().parent
 LR = 1e-3
@@ -46,9 +46,9 @@ def _steps_child(backend: str, out: str) -> None:
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if backend == "megatron":
-        from trainer.backends.megatron import MegatronBackend as Backend
+        from trainer.training.backends.megatron import MegatronBackend as Backend
     else:
-        from trainer.backends.fsdp import FSDPBackend as Backend
+        from trainer.training.backends.fsdp import FSDPBackend as Backend
     b = Backend()
     b.init(make_config(train={"backend": backend, **TRAIN}, algo=ALGO), 0, 1)
     batch = _batch()
@@ -84,10 +84,10 @@ def _plain_step(weights: dict, batch, *, sft: bool) -> tuple[dict, float]:
     from transformers import AutoModelForCausalLM
 
     from rollout.models import resolve_model_path
-    from trainer.algo.advantages import sequence_advantages
-    from trainer.algo.losses import entropy_from_logits, token_log_probs
-    from trainer.algo.objective import TokenInputs, policy_objective, sft_objective
-    from trainer.backends.batching import step_norms
+    from trainer.training.algo.advantages import sequence_advantages
+    from trainer.training.algo.losses import entropy_from_logits, token_log_probs
+    from trainer.training.algo.objective import TokenInputs, policy_objective, sft_objective
+    from trainer.training.backends.batching import step_norms
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-qwen3"),
                                                  dtype=torch.float32, attn_implementation="eager")

@@ -1,6 +1,6 @@
 """Multi-node placement on one machine: Ray's own multi-node test cluster
 (``ray.cluster_utils.Cluster``) with a GPU-less head and three worker nodes that each
-declare 4 logical GPUs. ``trainer.placement.Placement`` lays out engines and training ranks
+declare 4 logical GPUs. ``trainer.training.placement.Placement`` lays out engines and training ranks
 from the cluster config; lightweight probe actors scheduled with the placement's strategies
 and resources (as the real engines and ranks are) report where they landed.
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 def _config(**groups):
-    from trainer.config import build_config
+    from config import build_config
 
     base = {"cluster": {"device": "cuda", "num_nodes": 2, "gpus_per_node": 4},
             "rollout": {"engine": "sglang"}, "train": {"backend": "fsdp"}}
@@ -37,7 +37,7 @@ def _layout(config):
     """Probe every engine and training rank; returns JSON-able facts about the layout."""
     import ray
 
-    from trainer.placement import Placement
+    from trainer.training.placement import Placement
 
     @ray.remote
     class Probe:

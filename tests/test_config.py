@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import REPO, compose_config
-from trainer.config import ConfigError, HomegymConfig
+from config import ConfigError, HomegymConfig
 
 RECIPES = sorted(p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml"))
 GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml"))

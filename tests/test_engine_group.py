@@ -10,7 +10,7 @@ import torch
 
 from conftest import push_tensors
 from rollout.engines import EngineGroup
-from trainer.config import HomegymConfig, RolloutConfig
+from config import HomegymConfig, RolloutConfig
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ from rollout.engines import (EngineClient, EngineServer, HFLaunch, Router, SGLan
                              spec_from_config)
 from rollout.engines.actor import bind_host
 from rollout.engines.group import EngineView
-from trainer.weights import broadcast_ranks, source_rank
-from trainer.config import ClusterConfig, HomegymConfig, RolloutConfig, TrainConfig
+from trainer.weight_sync.push import broadcast_ranks, source_rank
+from config import ClusterConfig, HomegymConfig, RolloutConfig, TrainConfig
 
 
 def gpu_config(colocate=True):

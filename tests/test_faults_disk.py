@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, main_exit
-from trainer.checkpoint import MARKER, CheckpointError, CheckpointManager, preflight_output_dir
+from trainer.driver.checkpoint import MARKER, CheckpointError, CheckpointManager, preflight_output_dir
 
 
 
@@ -140,7 +140,7 @@ def test_disk_full_mid_write_for_real(tmp_path):
         import resource, signal, sys, torch
         sys.path.insert(0, {str(REPO)!r})
         from pathlib import Path
-        from trainer.checkpoint import CheckpointManager
+        from trainer.driver.checkpoint import CheckpointManager
         mgr = CheckpointManager(Path({str(tmp_path)!r}))
         def saver(n):
             def save_train(d):

@@ -75,7 +75,7 @@ def _rollout_while(cfg, router_url, fault):
 
 
 def test_engine_dies_mid_rollout_step_completes_and_engine_recovers(group, tiny_model_path):
-    from trainer.weights import WeightSync, send_weights
+    from trainer.weight_sync.push import WeightSync, send_weights
 
     cfg = config(num_engines=2, rollout_batch_size=4, n_samples_per_prompt=4,
                  max_response_len=LONG_TOKENS, sample_timeout_s=120.0,
@@ -140,8 +140,8 @@ def test_a_replaced_weight_broadcast_group_is_destroyed_on_rank_0_and_the_engine
     from torch.distributed import distributed_c10d as c10d
 
     from rollout.engines.client import EngineError
-    from trainer.train_group import TrainActor
-    from trainer.weights import WeightSync, send_weights
+    from trainer.training.train_group import TrainActor
+    from trainer.weight_sync.push import WeightSync, send_weights
 
     cfg = config(num_engines=2)
     rank0 = TrainActor(cfg, rank=0, world_size=1)  # the rank's own methods, in this process

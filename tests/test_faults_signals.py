@@ -1,4 +1,4 @@
-"""The driver's signal handling (trainer.runtime.Runtime), in-process and fast: SIGTERM and
+"""The driver's signal handling (trainer.driver.runtime.Runtime), in-process and fast: SIGTERM and
 SIGINT unwind the driver (KeyboardInterrupt, so teardown runs); with ``defer_stop`` the
 first signal only requests a stop at the next step boundary and a second one stops at
 once; teardown ignores further signals; the previous handlers come back afterwards."""
@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
-from trainer.config import HomegymConfig, RolloutConfig
-from trainer.runtime import Runtime
+from config import HomegymConfig, RolloutConfig
+from trainer.driver.runtime import Runtime
 
 
 def _runtime(tmp_path):

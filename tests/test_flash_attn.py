@@ -1,4 +1,4 @@
-"""The flash-attn varlen path of the shared-prefix attention (trainer/backends/packed_attention).
+"""The flash-attn varlen path of the shared-prefix attention (trainer/training/backends/packed_attention).
 
 On any machine: the varlen layout (cu_seqlens, the key gather, bottom-right causal) run
 through a pure-torch stand-in for ``flash_attn_varlen_func`` gives the SDPA path's outputs
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from train_batches import make_batch
-from trainer.backends import packed_attention as pa
-from trainer.backends.batching import build_shared_prefix_micro_batch
+from trainer.training.backends import packed_attention as pa
+from trainer.training.backends.batching import build_shared_prefix_micro_batch
 
 
 def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

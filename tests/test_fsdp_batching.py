@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from train_batches import make_batch
-from trainer.backends.batching import (
+from trainer.training.backends.batching import (
     balanced_partition, build_micro_batch, build_shared_prefix_micro_batch, check_batch,
     micro_batches, minibatch_ranges, plan_step, step_norms)
-from trainer.backends.schedule import lr_at
+from trainer.training.backends.schedule import lr_at
 
 
 def test_balanced_partition_is_deterministic_and_balanced():

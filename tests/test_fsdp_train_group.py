@@ -9,15 +9,15 @@ import torch
 from safetensors.torch import load_file
 
 from train_batches import assert_save_load_round_trip, exported_params, make_batch, make_config
-from trainer.placement import Placement
-from trainer.train_group import TrainGroup
+from trainer.training.placement import Placement
+from trainer.training.train_group import TrainGroup
 
 pytestmark = pytest.mark.slow
 
 
 def _surrogate(group: TrainGroup, batch) -> float:
     """Sum over samples of advantage x mean response log-prob (what the step increases)."""
-    from trainer.algo.advantages import grpo_advantages
+    from trainer.training.algo.advantages import grpo_advantages
 
     adv = grpo_advantages(torch.tensor(batch.rewards), torch.tensor(batch.group_ids))
     lps = group.log_probs(batch)
@@ -182,8 +182,8 @@ def test_shutdown_leaves_no_shared_memory_behind(ray_local, tiny_model_path):
         pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in group.actors])
         group.named_weight_buckets(200_000)
 
-        def stage(actor):  # what a push to the hf engines stages (trainer.weights)
-            from trainer import weights
+        def stage(actor):  # what a push to the hf engines stages (trainer.weight_sync.push)
+            from trainer.weight_sync import push as weights
 
             weights._STAGING.flatten(0, [("x", torch.ones(1000))])
         ray.get([a.__ray_call__.remote(stage) for a in group.actors])

@@ -37,8 +37,8 @@ def test_weight_sync_round_trip(ray_local, tiny_model_path):
     from rollout.demos import make_demos
     from rollout.engines.group import EngineGroup
     from rollout.sample import RolloutBatch
-    from trainer.train_group import TrainGroup
-    from trainer.weights import WeightSync, WeightSyncError, _TensorSender
+    from trainer.training.train_group import TrainGroup
+    from trainer.weight_sync.push import WeightSync, WeightSyncError, _TensorSender
 
     config = compose_config("train.ranks_per_node=1", "rollout.num_engines=1")
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
@@ -195,8 +195,8 @@ def test_colocated_step_resumes_weights_then_pushes_then_resumes_the_kv_cache(ra
     them, and only then the KV cache (and CUDA graphs), so the push never competes with the
     KV cache for the memory training freed. Real runtime; the engine group and the weight
     sync are wrapped to record the order of their calls."""
-    from trainer.loop import Driver
-    from trainer.runtime import Runtime
+    from trainer.driver.loop import Driver
+    from trainer.driver.runtime import Runtime
 
     config = compose_config("train.num_steps=1", "rollout.rollout_batch_size=1",
                             "rollout.n_samples_per_prompt=2", "eval.before_and_after=false",
@@ -235,8 +235,8 @@ def test_rollout_batches_reach_the_ranks_by_reference_and_are_freed(ray_local, t
     data-order record still has the trained tokens' digest, and once the steps are done
     the object store holds no more objects than before them. Real runtime; the train
     group's train_step is wrapped to record what it was handed."""
-    from trainer.loop import Driver
-    from trainer.runtime import Runtime
+    from trainer.driver.loop import Driver
+    from trainer.driver.runtime import Runtime
 
     config = compose_config("train.num_steps=2", "rollout.rollout_batch_size=1",
                             "rollout.n_samples_per_prompt=2", "eval.before_and_after=false",

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from conftest import free_port, run_main
 from train_batches import (assert_save_load_round_trip, exported_params, make_batch,
                            make_config)
-from trainer.config import ConfigError
+from config import ConfigError
 
 LORA = {"rank": 4, "alpha": 8.0}
 
@@ -29,7 +29,7 @@ def one_rank():
 
 
 def _backend(train=None, algo=None):
-    from trainer.backends.fsdp import FSDPBackend
+    from trainer.training.backends.fsdp import FSDPBackend
 
     backend = FSDPBackend()
     backend.init(make_config(train={"lr": 1e-2, **(train or {})}, algo=algo or {}), 0, 1)
@@ -182,8 +182,8 @@ def test_kl_reference_is_the_base_model(one_rank):
 @pytest.mark.slow
 def test_lora_save_load_round_trip_two_ranks(ray_local, tmp_path):
     """The full model's resume test on sharded adapters, and a fresh process resuming."""
-    from trainer.placement import Placement
-    from trainer.train_group import TrainGroup
+    from trainer.training.placement import Placement
+    from trainer.training.train_group import TrainGroup
 
     config = make_config(train={"ranks_per_node": 2, "lr": 1e-2, "lora": LORA})
     placement = Placement(config)
@@ -222,7 +222,7 @@ def test_lora_run_end_to_end_checkpoint_serves_and_evaluates(ray_local, tmp_path
     from transformers import AutoModelForCausalLM
 
     from trainer.eval import evaluate_models
-    from trainer.checkpoint import resolve_checkpoint
+    from trainer.driver.checkpoint import resolve_checkpoint
 
     run = run_main(tmp_path, "train.lora.rank=8", "train.num_steps=2", "warmup.steps=2",
                    "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4",

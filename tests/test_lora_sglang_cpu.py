@@ -46,7 +46,7 @@ def trained_adapter(tiny_model_path, seed):
     import peft
     from transformers import AutoModelForCausalLM
 
-    from trainer.backends.lora import peft_config
+    from trainer.training.backends.lora import peft_config
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation="eager")
     model = peft.get_peft_model(model, peft_config(lora_config().train.lora))
@@ -80,7 +80,7 @@ def test_adapter_push_serves_the_trained_policy(ray_local, engine_group, tiny_mo
     forward, at bf16's level), requests carry the new version, and adapters older than the
     previous push are unloaded; without the adapter name the engine serves the base."""
     from rollout import http
-    from trainer.lora_sync import AdapterSync, adapter_name
+    from trainer.weight_sync.adapter import AdapterSync, adapter_name
 
     cfg = lora_config()
     group = engine_group(cfg)

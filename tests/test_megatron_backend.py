@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 pytest.importorskip("megatron.core")
 
 from train_batches import exported_params, make_batch, make_config  # noqa: E402
-from trainer.train_group import TrainGroup  # noqa: E402
+from trainer.training.train_group import TrainGroup  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -116,7 +116,7 @@ def test_model_parallel_equals_single_rank(ray_local, tiny_model_path, batch, hf
 
 def test_train_step_decreases_loss_on_fixed_batch(tp1, batch):
     """SFT steps lower the NLL; an RL step raises the advantage-weighted log-likelihood."""
-    from trainer.algo.advantages import grpo_advantages
+    from trainer.training.algo.advantages import grpo_advantages
 
     adv = grpo_advantages(torch.tensor(batch.rewards), torch.tensor(batch.group_ids))
 

@@ -5,7 +5,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from train_batches import assert_save_load_round_trip, make_batch, make_config  # noqa: E402
-from trainer.train_group import TrainGroup  # noqa: E402
+from trainer.training.train_group import TrainGroup  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from conftest import REPO
-from trainer.backends.megatron import backend as B
-from trainer.backends.megatron import model as M
+from trainer.training.backends.megatron import backend as B
+from trainer.training.backends.megatron import model as M
 
 TESTS = Path(__file__).resolve().parent
 
@@ -144,7 +144,7 @@ def test_local_spec_config_is_buildable_and_names_its_final_norm(monkeypatch):
     from megatron.core.transformer import transformer_block
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from trainer.config import TrainConfig
+    from config import TrainConfig
 
     plan = _plan(te=False, apex=False)
     config = M.transformer_config(_hf(), TrainConfig(), dtype="bfloat16", cpu=False,
@@ -200,7 +200,7 @@ def _offload_child(dtype: str, offload: bool, kl: float, out: str, device: str =
     import torch.distributed as dist
 
     from train_batches import make_batch, make_config
-    from trainer.backends.megatron import MegatronBackend
+    from trainer.training.backends.megatron import MegatronBackend
 
     cuda = device == "cuda"
     # One rank: an in-memory store, no port.

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.backends.megatron import hf_map
+from trainer.training.backends.megatron import hf_map
 
 
 def _hf(model_type="qwen3", heads=4, kv=2, d=8, hidden=16, tied=True, **kw):

@@ -7,9 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import REPO
-from trainer.compose import compose_config
-from trainer.config import ConfigError
-from trainer.memory_plan import (BUILTIN_ARCHS, ENGINE_CONTEXT_GIB, GiB, MemoryPlanError, MiB,
+from config import ConfigError, compose_config
+from trainer.driver.memory_plan import (BUILTIN_ARCHS, ENGINE_CONTEXT_GIB, GiB, MemoryPlanError, MiB,
                                  ModelArch, TRAIN_CONTEXT_GIB, TRAIN_NCCL_GIB, check_memory,
                                  gpu_capacity, model_arch, plan_memory)
 
@@ -79,7 +78,7 @@ def test_megatron_colocated_numbers_by_hand():
 
 
 def test_megatron_state_kept_between_phases_counts_at_rollout(monkeypatch):
-    from trainer import memory_plan
+    from trainer.driver import memory_plan
 
     kept = ("weights", "grads", "optimizer: fp32 main params")  # the pre-offload.py backend
     monkeypatch.setattr(memory_plan, "MEGATRON_KEPT_WHEN_OFFLOADED", kept)

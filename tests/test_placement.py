@@ -4,7 +4,7 @@ import pytest
 import ray
 
 from train_batches import make_config
-from trainer.placement import Placement
+from trainer.training.placement import Placement
 
 pytestmark = pytest.mark.slow  # needs a real Ray instance (~6 s to start)
 

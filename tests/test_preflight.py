@@ -1,4 +1,4 @@
-"""Start-up checks (trainer/preflight.py) through the real entry point.
+"""Start-up checks (trainer/driver/preflight.py) through the real entry point.
 
 Each bad setting stops `python -m trainer.main` with exit 2 and one line on stderr that
 names the key, within seconds and before Ray starts (no run directory, no Ray output).
@@ -168,7 +168,7 @@ def test_smollm2_without_its_gguf_package_is_one_line(tmp_path, plugins):
 
 def test_the_default_config_passes_the_checks():
     from conftest import compose_config
-    from trainer.preflight import preflight
+    from trainer.driver.preflight import preflight
 
     preflight(compose_config())
     preflight(compose_config("env=arithmetic"))
@@ -177,7 +177,7 @@ def test_the_default_config_passes_the_checks():
 API_CHECK = r"""
 import sys, ray
 from trainer.api import NumberGuessCPURecipe, TrainConfig
-from trainer.config import ConfigError
+from config import ConfigError
 
 def my_reward(args, sample):  # defined in __main__, so shipped by value; not async
     return 1.0
@@ -207,7 +207,7 @@ def test_a_config_error_inside_a_ray_actor_is_reported_as_one_line(ray_local):
     that called a failing task: the original message, not Ray's remote traceback."""
     import ray
 
-    from trainer.config import ConfigError
+    from config import ConfigError
     from trainer.main import user_error
 
     @ray.remote

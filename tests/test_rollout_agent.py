@@ -35,7 +35,7 @@ def tok(tools_model_path):
 
 
 def agent_config(**rollout):
-    from trainer.config import build_config
+    from config import build_config
 
     base = {"num_engines": 1, "rollout_batch_size": 2, "n_samples_per_prompt": 2,
             "max_response_len": 40}

@@ -3,7 +3,7 @@
 import pytest
 
 from rollout.args import RolloutArgs, load_plugin
-from trainer.config import build_config
+from config import build_config
 
 
 def cfg(**rollout):

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from rollout.data import DataSource
-from trainer.config import build_config
+from config import build_config
 
 
 @pytest.fixture(scope="module")

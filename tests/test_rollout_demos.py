@@ -7,7 +7,7 @@ import pytest
 from rollout.demos import make_demos
 from rollout.chat import ChatRenderer
 from rollout.generate import Episode, run_episode
-from trainer.config import build_config
+from config import build_config
 
 
 @pytest.fixture(scope="module")

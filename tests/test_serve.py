@@ -1,4 +1,4 @@
-"""The endpoint (trainer/endpoint.py, trainer/auth_proxy.py, the trainer/serve.py CLI), for
+"""The endpoint (trainer/serving/endpoint.py, trainer/serving/auth_proxy.py, the trainer/serve.py CLI), for
 real: hf engine + sglang-router + the authenticating proxy on loopback."""
 
 import subprocess
@@ -10,10 +10,10 @@ import requests
 
 from conftest import REPO, clean_env, fake_run_dir
 from trainer.api import Endpoint, TinyQwen3
-from trainer.auth_proxy import choose_api_key
-from trainer.checkpoint import resolve_checkpoint
-from trainer.compose import split_args
-from trainer.endpoint import EndpointError
+from trainer.serving.auth_proxy import choose_api_key
+from trainer.driver.checkpoint import resolve_checkpoint
+from config import split_args
+from trainer.serving.endpoint import EndpointError
 
 KEY = "test-key-0123456789"
 CHAT = {"messages": [{"role": "user", "content": "You are playing a number guessing game."}],

@@ -67,8 +67,8 @@ def _record_homegym_traffic(version: str, model_path: str, tmp_path) -> list:
     from rollout.generate import EnginePolicy, GenerateState, sampling_params_from
     from rollout.http import close_session
     from safetensors.torch import load_file
-    from trainer.config import HomegymConfig, RolloutConfig
-    from trainer.weights import GROUP_NAME, PushPlan, join_broadcast_group, send_weights
+    from config import HomegymConfig, RolloutConfig
+    from trainer.weight_sync.push import GROUP_NAME, PushPlan, join_broadcast_group, send_weights
 
     engine = EngineServer(HFLaunch(model_path=model_path, contract_version=version),
                           f"contract-{version}", str(tmp_path))

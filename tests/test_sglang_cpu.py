@@ -185,7 +185,7 @@ def test_weight_push_is_verified_by_the_next_generation(group, tiny_model_path, 
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from trainer.weights import PushPlan, join_broadcast_group, send_weights
+    from trainer.weight_sync.push import PushPlan, join_broadcast_group, send_weights
     from rollout.engines import free_port
 
     client = group.clients[0]
@@ -223,7 +223,7 @@ def test_in_place_update_without_repacking_is_the_known_fault(group, tiny_model_
     packed weights, so even pushing the model's own weights changes its output."""
     from safetensors.torch import load_file
 
-    from trainer.weights import PushPlan, send_weights
+    from trainer.weight_sync.push import PushPlan, send_weights
 
     client = group.clients[0]
     prompt = [9, 10, 11, 12]
@@ -244,7 +244,7 @@ def test_in_place_update_without_repacking_is_the_known_fault(group, tiny_model_
 def test_killed_engine_is_restarted_registered_and_given_the_weights(group, tiny_model_path):
     import ray
 
-    from trainer.weights import send_weights, WeightSync
+    from trainer.weight_sync.push import send_weights, WeightSync
 
     cfg = sglang_config()
     new = sorted(_perturbed(tiny_model_path).items())

@@ -11,7 +11,7 @@ import os
 import random
 from types import SimpleNamespace
 
-from trainer.config import build_config
+from config import build_config
 
 
 def Batch(tokens, response_lengths, loss_masks, rollout_log_probs, rewards, group_ids):

@@ -49,9 +49,9 @@ def evaluate_models(specs: Sequence[str], overrides: Sequence[str] = (),
 
     from rollout.engines.group import EngineGroup
     from rollout.manager import RolloutManager
-    from trainer.checkpoint import resolve_checkpoint
-    from trainer.compose import compose_config
-    from trainer.runtime import connect_ray
+    from trainer.driver.checkpoint import resolve_checkpoint
+    from config import compose_config
+    from trainer.driver.runtime import connect_ray
 
     results: dict[str, dict[str, Any]] = {}
     started_ray = False
@@ -87,7 +87,7 @@ def evaluate_models(specs: Sequence[str], overrides: Sequence[str] = (),
 
 
 def write_results(results: dict[str, dict[str, Any]], out: Path) -> str:
-    from trainer.report import format_eval_table
+    from trainer.driver.report import format_eval_table
 
     out.parent.mkdir(parents=True, exist_ok=True)
     table = format_eval_table({k: v["metrics"] for k, v in results.items()})
@@ -104,9 +104,9 @@ def write_results(results: dict[str, dict[str, Any]], out: Path) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from trainer.checkpoint import resolve_checkpoint
-    from trainer.compose import compose_config, split_args
-    from trainer.config import ConfigError
+    from trainer.driver.checkpoint import resolve_checkpoint
+    from config import compose_config, split_args
+    from config import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -135,7 +135,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"homegym: {reported}", file=sys.stderr)
         return 2
     write_results(results, out)
-    from trainer.report import terminal_eval_table
+    from trainer.driver.report import terminal_eval_table
 
     table = terminal_eval_table({k: v["metrics"] for k, v in results.items()})
     print(f"\n{table}\n\nevery column: {out}", flush=True)

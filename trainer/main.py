@@ -13,8 +13,7 @@ from typing import Optional
 import hydra
 from omegaconf import DictConfig
 
-from trainer.compose import CONF_DIR
-from trainer.config import ConfigError, HomegymConfig, build_config, register_schema
+from config import CONF_DIR, ConfigError, HomegymConfig, build_config, register_schema
 
 register_schema()
 
@@ -22,11 +21,11 @@ register_schema()
 def run(config: HomegymConfig) -> dict:
     """The start-up checks, then the run. A bad dotted path, data file or model directory
     stops here within seconds, before Ray starts, instead of minutes later in an actor."""
-    from trainer.preflight import preflight
+    from trainer.driver.preflight import preflight
 
     preflight(config)
     # Imported here so that `--cfg job` and config errors stay fast and torch-free.
-    from trainer.loop import train
+    from trainer.driver.loop import train
 
     return train(config)
 
@@ -42,7 +41,7 @@ def user_error(err: BaseException) -> Optional[Exception]:
     # Modules looked up, not imported: an error of theirs cannot exist unless something
     # imported them, and a start-up check's error stays as fast as the check (no torch).
     ray_errors = sys.modules.get("ray.exceptions")
-    checkpoint = sys.modules.get("trainer.checkpoint")
+    checkpoint = sys.modules.get("trainer.driver.checkpoint")
     models = sys.modules.get("rollout.models")
     user_types = ((ConfigError,) + ((checkpoint.CheckpointError,) if checkpoint else ())
                   + ((models.ModelPathError,) if models else ()))

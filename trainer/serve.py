@@ -12,7 +12,7 @@ training uses (hf on CPU, SGLang on GPU), behind the real sglang-router.
 
 Authentication: every route but ``GET /health`` needs ``Authorization: Bearer <key>``; the
 key is ``$HOMEGYM_API_KEY``, else one is generated and printed once. Only the
-authenticating proxy (trainer/auth_proxy.py) listens on ``host``; the engines and the
+authenticating proxy (trainer/serving/auth_proxy.py) listens on ``host``; the engines and the
 router stay on ``cluster.host`` (loopback by default).
 """
 
@@ -23,9 +23,8 @@ import sys
 import threading
 from typing import Optional, Sequence
 
-from trainer.compose import split_args
-from trainer.config import ConfigError
-from trainer.endpoint import Endpoint
+from config import ConfigError, split_args
+from trainer.serving.endpoint import Endpoint
 
 _TRUE = ("1", "true", "yes", "on")
 

@@ -140,7 +140,7 @@ class SGLangLaunch(LaunchSpec):
     extra_args: Sequence[str] = ()
     ready_timeout_s: float = 900.0
     # > 0: serve LoRA adapters of up to this rank on these modules (peft names), loaded
-    # at run time with /load_lora_adapter (trainer/lora_sync.py).
+    # at run time with /load_lora_adapter (trainer/weight_sync/adapter.py).
     lora_rank: int = 0
     lora_target_modules: Sequence[str] = ()
 

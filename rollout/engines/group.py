@@ -4,7 +4,7 @@ The rollout manager only needs ``router_url``; the driver uses the fan-out metho
 (pause/abort/continue, release/resume memory, weight versions), each of which returns once
 every engine has answered (results in engine order) and raises if any engine failed.
 Weights do not pass through here: ``targets()`` tells the training ranks where the
-engines are, and they stream the tensors themselves (trainer/weights.py).
+engines are, and they stream the tensors themselves (trainer/weight_sync/push.py).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class EngineGroup(_FanOut):
                  log_dir: Optional[str] = None, start: bool = True):
         """``placement``: optional per-engine Ray scheduling — a list (one entry per engine)
         of Ray scheduling strategies or ``(placement_group, bundle_index)`` pairs, or a
-        ``trainer.placement.Placement`` (then its engine_strategy / engine_resources /
+        ``trainer.training.placement.Placement`` (then its engine_strategy / engine_resources /
         engine_gpu_ids are used); default none (Ray places the actors)."""
         from rollout.models import resolve_model_path
 
@@ -311,7 +311,7 @@ class EngineGroup(_FanOut):
         ``push_weights(view)`` is called once with an ``EngineView`` of the restarted
         engines (same fan-out methods as the group) and must load the current policy into
         them, e.g. ``lambda view: weights.push(version, engines=view)`` with the run's one
-        ``WeightSync`` (trainer.runtime does this).
+        ``WeightSync`` (trainer.driver.runtime does this).
         A restarted server starts from ``model_path``: without ``push_weights`` it serves
         the base weights until the next regular push.
 

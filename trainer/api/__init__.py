@@ -5,7 +5,7 @@
 
     run = TrainConfig(model=TinyQwen3(), dataset=MyDataset(),
                       recipe=NumberGuessCPURecipe(num_rollout=20)).launch()
-    result = run.result()                      # blocks; a trainer.loop.RunResult
+    result = run.result()                      # blocks; a trainer.driver.loop.RunResult
     ckpt = result.checkpoints()[-1]            # checkpoints/step_NNNNNN (hf/ inside)
     with Endpoint.launch(TinyQwen3(), ckpt) as ep:
         ep.chat([{"role": "user", "content": "hi"}])
@@ -13,15 +13,15 @@
 One code path with the CLI: ``TrainConfig`` turns model + recipe + dataset into Hydra
 overrides, composes ``conf/`` with ``hydra.compose`` exactly as ``python -m trainer.main``
 does, builds the typed ``HomegymConfig`` with ``build_config`` and calls
-``trainer.loop.train``. ``launch()`` runs that in a background thread of this process on the
+``trainer.driver.loop.train``. ``launch()`` runs that in a background thread of this process on the
 current Ray cluster (``cluster.address`` / ``RAY_ADDRESS`` / a local one) and returns a
 ``Run`` at once; ``Run.result()`` blocks until it finishes and re-raises its error.
 
 The pieces live in modules of their own and are gathered here so a notebook imports
-everything from one place: models (trainer.model_catalog), recipes (trainer.recipes),
-datasets (trainer.dataset), custom functions (``custom_generate_function`` /
-``custom_rm_function``: dotted paths or callables, trainer.shipping), the background run
-(trainer.background) and the endpoint (trainer.endpoint).
+everything from one place: models (trainer.api.model_catalog), recipes (trainer.api.recipes),
+datasets (trainer.api.dataset), custom functions (``custom_generate_function`` /
+``custom_rm_function``: dotted paths or callables, trainer.api.shipping), the background run
+(trainer.api.background) and the endpoint (trainer.serving.endpoint).
 """
 
 from __future__ import annotations
@@ -33,16 +33,15 @@ from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
 
-from trainer.background import Run
-from trainer.compose import compose_config, set_dotted
-from trainer.config import HomegymConfig
-from trainer.dataset import DatasetConfig
-from trainer.endpoint import Endpoint
-from trainer.model_catalog import Model, Qwen3_0_6B, Qwen3_4B, Qwen3_8B, SmolLM2_135M, TinyQwen3
-from trainer.preflight import preflight
-from trainer.recipes import (NumberGuessCPURecipe, Qwen3_0_6B_Recipe, Qwen3_4B_Recipe,
+from trainer.api.background import Run
+from config import HomegymConfig, compose_config, set_dotted
+from trainer.api.dataset import DatasetConfig
+from trainer.serving.endpoint import Endpoint
+from trainer.api.model_catalog import Model, Qwen3_0_6B, Qwen3_4B, Qwen3_8B, SmolLM2_135M, TinyQwen3
+from trainer.driver.preflight import preflight
+from trainer.api.recipes import (NumberGuessCPURecipe, Qwen3_0_6B_Recipe, Qwen3_4B_Recipe,
                              Qwen3_8B_Recipe, Recipe)
-from trainer.shipping import ship_function, ship_locally, ship_or_describe
+from trainer.api.shipping import ship_function, ship_locally, ship_or_describe
 
 __all__ = [
     "DatasetConfig", "Model", "TinyQwen3", "SmolLM2_135M", "Qwen3_0_6B", "Qwen3_4B", "Qwen3_8B",
@@ -82,7 +81,7 @@ class TrainConfig:
         return compose_config(overrides, merged)
 
     def launch(self) -> Run:
-        from trainer.runtime import connect_ray  # imports Ray: only when launching
+        from trainer.driver.runtime import connect_ray  # imports Ray: only when launching
 
         overrides, values = self._base()
         composed = compose_config(overrides, values)  # cheap validation before Ray starts

@@ -6,7 +6,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from trainer.config import HomegymConfig
+from config import HomegymConfig
 
 
 class Run:
@@ -26,7 +26,7 @@ class Run:
         return self
 
     def _main(self) -> None:
-        from trainer.loop import train
+        from trainer.driver.loop import train
 
         try:
             self._result = train(self.config)

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from trainer.config import ConfigError
+from config import ConfigError
 
 
 class DatasetConfig:

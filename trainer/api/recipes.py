@@ -7,9 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional
 
-from trainer.compose import set_dotted
-from trainer.config import ConfigError, HomegymConfig
-from trainer.model_catalog import Qwen3_0_6B, Qwen3_4B, Qwen3_8B, TinyQwen3
+from config import ConfigError, HomegymConfig, set_dotted
+from trainer.api.model_catalog import Qwen3_0_6B, Qwen3_4B, Qwen3_8B, TinyQwen3
 
 
 class _Unset:

@@ -4,7 +4,7 @@ Custom functions (``custom_generate_function`` / ``custom_rm_function``) may be 
 or callables. A callable from an importable module is passed by its dotted path; one
 defined in ``__main__`` (a notebook, a script) or inside a function is shipped BY VALUE:
 cloudpickled into Ray's cluster-wide key-value store and referenced as
-``trainer.shipping:shipped__<name>__<hash>``, which this module resolves (module
+``trainer.api.shipping:shipped__<name>__<hash>``, which this module resolves (module
 ``__getattr__``) inside any Ray worker on any node.
 """
 
@@ -14,7 +14,7 @@ import hashlib
 import importlib
 from typing import Any, Callable, Optional, Union
 
-from trainer.config import ConfigError
+from config import ConfigError
 
 _SHIPPED: dict[str, Callable] = {}
 _SHIP_PREFIX = "shipped__"

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from trainer.metrics import write_json
+from trainer.driver.metrics import write_json
 
 _NAME = re.compile(r"^step_(\d{6,})$")
 MARKER = "COMPLETE"

@@ -6,7 +6,7 @@ Colocated (engines and training ranks share devices and take turns), per step:
     engines.release_memory(); train(batch.ref)
     engines.resume_memory(weights); push weights (version = step); resume_memory(kv_cache)
 
-Disaggregated (async): a ``trainer.pipeline.RolloutPipeline`` generates ahead within the
+Disaggregated (async): a ``trainer.driver.pipeline.RolloutPipeline`` generates ahead within the
 staleness bound and filters stale groups; the loop trains and pushes weights.
 
 The driver never holds a rollout batch: the manager leaves it in the object store and
@@ -14,7 +14,7 @@ returns a ``BatchRef`` (group ids, labels, versions, metrics, a token digest), a
 training ranks read ``batch.ref`` themselves. Only a checkpoint copies queued batches out.
 
 The run directory holds the resolved config, metrics.jsonl, wandb files, checkpoints,
-the base-vs-trained evaluation table and curves.png (trainer/report.py).
+the base-vs-trained evaluation table and curves.png (trainer/driver/report.py).
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ from typing import Any, Iterator
 import ray
 from omegaconf import OmegaConf
 
-from trainer.checkpoint import CheckpointManager, preflight_output_dir
-from trainer.config import HomegymConfig, to_dict
-from trainer.memory_plan import check_memory
-from trainer.metrics import MetricsLogger, redact, timed, write_json
-from trainer.pipeline import RolloutPipeline
+from trainer.driver.checkpoint import CheckpointManager, preflight_output_dir
+from config import HomegymConfig, to_dict
+from trainer.driver.memory_plan import check_memory
+from trainer.driver.metrics import MetricsLogger, redact, timed, write_json
+from trainer.driver.pipeline import RolloutPipeline
 from rollout.batch_ref import BatchRef
 from rollout.models import resolve_model_path
-from trainer.report import EVAL_COLUMNS, format_eval_table, terminal_eval_table, write_curves
-from trainer.runtime import Runtime
-from trainer.watchdog import HangError, Watchdog
+from trainer.driver.report import EVAL_COLUMNS, format_eval_table, terminal_eval_table, write_curves
+from trainer.driver.runtime import Runtime
+from trainer.driver.watchdog import HangError, Watchdog
 
 log = logging.getLogger("homegym")
 
@@ -245,7 +245,7 @@ class Driver:
         more, whole: repeating a whole phase is safe where repeating one of its requests
         (a weight update that may have half-applied) is not."""
         from rollout.engines.client import EngineError
-        from trainer.weights import WeightSyncError
+        from trainer.weight_sync.push import WeightSyncError
 
         try:
             return phase() or {}

@@ -1,6 +1,6 @@
 """Per-GPU memory plan of a GPU layout, checked at start-up before Ray starts.
 
-    from trainer.memory_plan import plan_memory, check_memory
+    from trainer.driver.memory_plan import plan_memory, check_memory
     plan = plan_memory(config)          # a MemoryPlan: phases x components, in bytes
     print(plan.table())
     plan.check()                        # MemoryPlanError (a ConfigError) if it cannot fit
@@ -13,7 +13,7 @@ directory is not on this machine), so a plan prints anywhere, without the model 
 
 What is counted, per GPU (B = bytes per parameter, P = this GPU's parameters):
 
-Training, Megatron (``train.backend=megatron``, as trainer/backends/megatron builds it):
+Training, Megatron (``train.backend=megatron``, as trainer/training/backends/megatron builds it):
   P = parameters of one TP x PP shard: matrices and the vocab-parallel embedding / LM
   head (vocabulary padded to a multiple of 128 x TP) divided by TP, norms replicated,
   ceil(layers / PP) layers; a pipeline stage holds the embedding (first) or final norm
@@ -25,7 +25,7 @@ Training, Megatron (``train.backend=megatron``, as trainer/backends/megatron bui
                divided by DP x CP with train.use_distributed_optimizer
   reference  2 B more when algo.kl_coef > 0 (a frozen copy)
   Colocated, between training phases ``offload`` moves every storage to the host
-  (trainer/backends/megatron/offload.py; MEGATRON_KEPT_WHEN_OFFLOADED names what stays).
+  (trainer/training/backends/megatron/offload.py; MEGATRON_KEPT_WHEN_OFFLOADED names what stays).
 
 Training, FSDP (``train.backend=fsdp``): fp32 master parameters, fp32 grads and Adam
   moments, all sharded over the train world size (4 + 4 + 8 B per parameter / W), plus
@@ -105,7 +105,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from trainer.config import ConfigError
+from config import ConfigError
 
 GiB = 2**30
 MiB = 2**20
@@ -133,7 +133,7 @@ LOGITS_BYTES_PER_TOKEN = 6
 LOGITS_BYTES_PER_RESPONSE_TOKEN = 12
 TIGHT_FRACTION = 0.05        # headroom under 5% of the GPU is reported as tight
 # Colocated, what the Megatron backend's offload() leaves on the GPU while the engines
-# generate: nothing since it offloads every storage (trainer/backends/megatron/offload.py);
+# generate: nothing since it offloads every storage (trainer/training/backends/megatron/offload.py);
 # before that it moved only the Adam moments, i.e. ("weights", "grads",
 # "optimizer: fp32 main params", "reference model").
 MEGATRON_KEPT_WHEN_OFFLOADED: tuple[str, ...] = ()

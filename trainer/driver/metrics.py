@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from trainer.config import HomegymConfig, to_dict
+from config import HomegymConfig, to_dict
 
 # Keys whose values must never reach logs, wandb or checkpoints.
 SECRET_MARKERS = ("api_key", "apikey", "token", "secret", "password")

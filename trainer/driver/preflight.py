@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 from envs.base import Environment
 from rollout.plugins import get_env_class, load_object
-from trainer.config import ConfigError, HomegymConfig
+from config import ConfigError, HomegymConfig
 
 NO_ENV = ("", "none", "null")  # env.name values that mean "no environment" (rollout.manager)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

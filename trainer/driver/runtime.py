@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import ray
 
-from trainer.config import ConfigError, HomegymConfig
+from config import ConfigError, HomegymConfig
 
 log = logging.getLogger("homegym")
 
@@ -108,7 +108,7 @@ class Runtime:
         self.placement = None
         self.engines = None
         self.train_group = None
-        self.weights = None  # trainer.weights.WeightSync, the run's one
+        self.weights = None  # trainer.weight_sync.push.WeightSync, the run's one
         self.manager = None
         self._started_ray = False
         self._old_handlers: dict = {}
@@ -122,9 +122,9 @@ class Runtime:
     def __enter__(self) -> "Runtime":
         from rollout.engines.group import EngineGroup
         from rollout.manager import RolloutManager
-        from trainer.placement import Placement
-        from trainer.train_group import TrainGroup
-        from trainer.weights import WeightSync
+        from trainer.training.placement import Placement
+        from trainer.training.train_group import TrainGroup
+        from trainer.weight_sync.push import WeightSync
 
         try:
             self._started_ray = connect_ray(self.config)
@@ -139,7 +139,7 @@ class Runtime:
             self.train_group = TrainGroup(self.config, self.placement)
             self.manager = RolloutManager.remote(self.config, self.engines.router_url)
             if self.config.lora_push == "adapter":
-                from trainer.lora_sync import AdapterSync
+                from trainer.weight_sync.adapter import AdapterSync
 
                 manager = self.manager
                 self.weights = AdapterSync(

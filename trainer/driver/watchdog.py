@@ -124,7 +124,7 @@ def _driver_waits_at(thread_id: int) -> str:
     """The driver's innermost homegym frame: where its main thread waits."""
     frame = sys._current_frames().get(thread_id)
     where = ""
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     while frame is not None:
         code = frame.f_code
         if code.co_filename.startswith(root) and "site-packages" not in code.co_filename:

@@ -2,7 +2,7 @@
 and its OpenAI-compatible client (``chat`` / ``chat_completion``).
 
 The engines are the same ones training uses (hf on CPU, SGLang on GPU), behind the real
-sglang-router; only the proxy (trainer.auth_proxy) listens on the public host.
+sglang-router; only the proxy (trainer.serving.auth_proxy) listens on the public host.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any, Optional, Sequence
 
 import requests
 
-from trainer.auth_proxy import AuthProxy, choose_api_key
-from trainer.checkpoint import resolve_checkpoint
+from trainer.serving.auth_proxy import AuthProxy, choose_api_key
+from trainer.driver.checkpoint import resolve_checkpoint
 
 
 class EndpointError(RuntimeError):
@@ -83,8 +83,8 @@ class Endpoint:
         use SGLang). Ray: the current cluster, else a local one that stays up for the rest
         of the process (so training and further endpoints reuse it) unless ``own_ray``."""
         from rollout.engines.group import EngineGroup
-        from trainer.compose import compose_config
-        from trainer.runtime import connect_ray
+        from config import compose_config
+        from trainer.driver.runtime import connect_ray
 
         hydra_overrides, values = _model_overrides(model, checkpoint)
         if recipe is not None:

@@ -9,7 +9,7 @@ A batch reaches the ranks as one object-store reference, passed to every rank as
 top-level argument so each resolves it itself: a rollout batch is already there (the
 rollout manager put it, ``rollout.batch_ref.BatchRef``) and never passes through the
 driver; one built in the driver (warm-up SFT, tests) is put once. Every rank reads the
-whole batch and derives its own share (``trainer.backends.batching.plan_step``) and the
+whole batch and derives its own share (``trainer.training.backends.batching.plan_step``) and the
 global loss denominators from it, so no rank needs another rank's data.
 """
 
@@ -44,7 +44,7 @@ class TrainActor:
     def init(self, master_address: str, master_port: int) -> None:
         import torch.distributed as dist
 
-        from trainer.backends import make_backend
+        from trainer.training.backends import make_backend
 
         backend = "nccl" if self.config.cluster.device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{master_address}:{master_port}",
@@ -75,12 +75,12 @@ class TrainActor:
             if self.rank == 0:
                 yield bucket
 
-    # ---- weights to the engines (trainer.weights) and to disk ----------------------------
+    # ---- weights to the engines (trainer.weight_sync.push) and to disk ----------------------------
     def init_weight_broadcast(self, targets: list, group_name: str, backend: str) -> None:
         """Rank 0 joins the engines' weight-update group as its rank 0 (SGLang's protocol)."""
         if self.rank != 0:
             return
-        from trainer.weights import join_broadcast_group
+        from trainer.weight_sync.push import join_broadcast_group
 
         self.destroy_weight_broadcast()  # one group at a time: a new one replaces it
         address, port = self.rendezvous_address()
@@ -96,8 +96,8 @@ class TrainActor:
             dist.destroy_process_group(group)
 
     def send_weights(self, plan) -> dict[str, float]:
-        """Stream this backend's weights to the engines of ``plan`` (trainer.weights.PushPlan)."""
-        from trainer.weights import DTYPES, send_weights
+        """Stream this backend's weights to the engines of ``plan`` (trainer.weight_sync.push.PushPlan)."""
+        from trainer.weight_sync.push import DTYPES, send_weights
 
         buckets = self.backend.named_weight_buckets(plan.bucket_bytes, device=plan.device,
                                                     dtype=DTYPES[plan.dtype])
@@ -107,8 +107,8 @@ class TrainActor:
     def export_hf(self, out_dir: str, source_dir: str, bucket_bytes: int) -> None:
         """Rank 0 writes the policy as a HF checkpoint (every rank takes part in the gathers).
         A LoRA policy is exported merged, and its adapter in peft format next to it
-        (``<out_dir>/../adapter``, trainer.checkpoint's layout)."""
-        from trainer.checkpoint import ADAPTER_DIR, export_hf
+        (``<out_dir>/../adapter``, trainer.driver.checkpoint's layout)."""
+        from trainer.driver.checkpoint import ADAPTER_DIR, export_hf
 
         buckets = list(self.backend.named_weight_buckets(bucket_bytes))
         if self.rank == 0:
@@ -143,7 +143,7 @@ class TrainActor:
 
         import torch.distributed as dist
 
-        from trainer.weights import release_staging
+        from trainer.weight_sync.push import release_staging
 
         # Free the backend's tensors and the staged push buffers before the group kills
         # this process: a /dev/shm buffer (torch's file_system sharing) still mapped at
@@ -158,7 +158,7 @@ class TrainActor:
 class TrainGroup:
     """``world_size`` training ranks behind one object; every method fans out to all.
 
-    ``placement`` is a ``trainer.placement.Placement``; without one the actors are
+    ``placement`` is a ``trainer.training.placement.Placement``; without one the actors are
     scheduled freely (tests, a single process slot per rank).
     """
 

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 from rollout.engines.client import EngineError
-from trainer.weights import WeightSyncError, check_reported_versions
+from trainer.weight_sync.push import WeightSyncError, check_reported_versions
 
 PREFIX = "homegym-v"
 
@@ -47,7 +47,7 @@ def _version_of(name: str) -> Optional[int]:
 
 
 class AdapterSync:
-    """Driver-side, in place of trainer.weights.WeightSync: ``push(version)`` per update."""
+    """Driver-side, in place of trainer.weight_sync.push.WeightSync: ``push(version)`` per update."""
 
     mode = "adapter"
 

@@ -203,7 +203,7 @@ def check_reported_versions(engines, version: int, what: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# The rank side (trainer.train_group.TrainActor calls these on every rank).
+# The rank side (trainer.training.train_group.TrainActor calls these on every rank).
 # ---------------------------------------------------------------------------------------
 
 def send_weights(buckets: Iterable[list[tuple[str, torch.Tensor]]], plan: PushPlan, *,

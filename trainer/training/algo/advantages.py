@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from trainer.config import AdvantageEstimator, choices
+from config import AdvantageEstimator, choices
 
 
 def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:

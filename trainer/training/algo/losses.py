@@ -17,8 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
-from trainer.algo.advantages import segment_sum
-from trainer.config import KLType, LossAgg, choices
+from trainer.training.algo.advantages import segment_sum
+from config import KLType, LossAgg, choices
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from typing import Callable, Optional
 
 import torch
 
-from trainer.algo.losses import (
+from trainer.training.algo.losses import (
     LossNorms, aggregate, gspo_loss, kl_penalty, ppo_clip_loss, tis_weights)
-from trainer.config import PolicyLoss, choices
+from config import PolicyLoss, choices
 
 
 @dataclass

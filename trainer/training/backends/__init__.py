@@ -1,4 +1,4 @@
-"""Training backends, by ``train.backend`` name (trainer/backends/base.py: the protocol).
+"""Training backends, by ``train.backend`` name (trainer/training/backends/base.py: the protocol).
 
 Each entry is imported only when chosen: Megatron pulls in megatron-core, FSDP does not.
 """
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import importlib
 
-from trainer.config import Backend, choices
+from config import Backend, choices
 
 BACKENDS: dict[Backend, str] = {
-    "fsdp": "trainer.backends.fsdp:FSDPBackend",
-    "megatron": "trainer.backends.megatron:MegatronBackend",
+    "fsdp": "trainer.training.backends.fsdp:FSDPBackend",
+    "megatron": "trainer.training.backends.megatron:MegatronBackend",
 }
 assert tuple(BACKENDS) == choices(Backend)
 

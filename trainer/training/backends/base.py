@@ -7,8 +7,8 @@ collectives inside; results that matter are identical on every rank (metrics are
 all-reduced, log-probs all-gathered), except ``named_weight_buckets`` which yields the
 gathered tensors on every rank (callers keep rank 0's).
 
-Shared, backend-neutral pieces: ``trainer.backends.batching`` (sharding, micro-batches),
-``trainer.algo.objective`` (the loss of a micro-batch), ``trainer.backends.schedule`` (LR).
+Shared, backend-neutral pieces: ``trainer.training.backends.batching`` (sharding, micro-batches),
+``trainer.training.algo.objective`` (the loss of a micro-batch), ``trainer.training.backends.schedule`` (LR).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Iterator, Protocol, runtime_checkable
 
 import torch
 
-from trainer.backends.batching import BatchLike
+from trainer.training.backends.batching import BatchLike
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 

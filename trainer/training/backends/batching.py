@@ -40,7 +40,7 @@ from typing import Collection, Optional, Protocol, Sequence
 
 import torch
 
-from trainer.algo.losses import LossNorms
+from trainer.training.algo.losses import LossNorms
 
 
 class BatchLike(Protocol):

@@ -6,7 +6,7 @@ save/load and ``module.to()`` all work, so the CPU path is the same code as the 
 
 What is FSDP-specific lives here: sharding, running the model on micro-batches, gradient
 sync, checkpoint format, offload. The step loop, loss, advantages and batching are shared
-(``trainer.backends.rl_step``, ``trainer.algo``, ``trainer.backends.batching``) so a
+(``trainer.training.backends.rl_step``, ``trainer.training.algo``, ``trainer.training.backends.batching``) so a
 Megatron backend computes the same objective.
 """
 
@@ -20,14 +20,14 @@ import torch
 import torch.distributed as dist
 from transformers import DynamicCache
 
-from trainer.algo.losses import entropy_from_logits, token_log_probs
-from trainer.backends.base import NamedTensors
-from trainer.backends.batching import (
+from trainer.training.algo.losses import entropy_from_logits, token_log_probs
+from trainer.training.backends.base import NamedTensors
+from trainer.training.backends.batching import (
     BatchLike, MicroBatch, build_micro_batch, build_shared_prefix_micro_batch, check_batch,
     plan_step)
-from trainer.backends import packed_attention
-from trainer.backends.rl_step import StepLoop, per_sample_log_probs
-from trainer.backends.schedule import total_optimizer_steps
+from trainer.training.backends import packed_attention
+from trainer.training.backends.rl_step import StepLoop, per_sample_log_probs
+from trainer.training.backends.schedule import total_optimizer_steps
 from rollout.models import cache_kwarg, keeps_boolean_logits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -110,7 +110,7 @@ class FSDPBackend(StepLoop):
                                                      attn_implementation=attn)
         model.config.use_cache = False
         if self.lora is not None and trainable:
-            from trainer.backends.lora import apply_lora
+            from trainer.training.backends.lora import apply_lora
 
             self.lora_layers = apply_lora(model, self.lora)
         if self.config.train.gradient_checkpointing and trainable:
@@ -188,7 +188,7 @@ class FSDPBackend(StepLoop):
         self.model.eval()
         if self.ref_model is not None:
             return self._no_grad_log_probs(self.ref_model, mbs)
-        from trainer.backends.lora import adapters_disabled
+        from trainer.training.backends.lora import adapters_disabled
 
         with adapters_disabled(self.model):
             return self._no_grad_log_probs(self.model, mbs)
@@ -208,7 +208,7 @@ class FSDPBackend(StepLoop):
                                     num_samples=len(batch.tokens))
 
     # ----------------------------------------------------------------- training
-    # StepLoop's hooks; the loop itself is trainer.backends.rl_step.
+    # StepLoop's hooks; the loop itself is trainer.training.backends.rl_step.
     def _policy_log_probs(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         self.model.eval()
         return self._no_grad_log_probs(self.model, mbs)
@@ -266,7 +266,7 @@ class FSDPBackend(StepLoop):
     def _host_buckets(self, bucket_bytes: int, dtype: Optional[torch.dtype]) -> Iterator[NamedTensors]:
         """named_weight_buckets through shared memory (ranks on one host, CPU): each
         bucket's shards go into one /dev/shm buffer instead of a gloo gather per tensor."""
-        from trainer.backends.host_gather import HostGather
+        from trainer.weight_sync.host_gather import HostGather
 
         if getattr(self, "_host_gather", None) is None:
             self._host_gather = HostGather(self.rank, self.world_size)
@@ -292,14 +292,14 @@ class FSDPBackend(StepLoop):
         """Gathered full tensors under HF names, ~bucket_bytes per bucket, on ``device``
         (a copy: the caller may keep or share them while training goes on), in ``dtype``
         (None: the fp32 master weights). A LoRA policy yields its merged weights
-        (trainer.backends.lora.merged_tensors).
+        (trainer.training.backends.lora.merged_tensors).
 
         Collective: every rank must drain the iterator.
         """
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0 (got {bucket_bytes})")
         if self.lora is not None:
-            from trainer.backends.lora import merged_tensors
+            from trainer.training.backends.lora import merged_tensors
 
             # Merged in the master weights' precision, cast after.
             items = merged_tensors(self._full_state(device), self.lora_layers)
@@ -324,13 +324,13 @@ class FSDPBackend(StepLoop):
 
     def adapter_tensors(self, device: str = "cpu") -> NamedTensors:
         """A LoRA policy's adapter matrices, gathered, under peft's saved names (collective)."""
-        from trainer.backends.lora import adapter_tensors
+        from trainer.training.backends.lora import adapter_tensors
 
         return list(adapter_tensors(self._full_state(device, adapters_only=True)))
 
     def save_adapter(self, out_dir: str) -> None:
         """Rank 0 writes the adapter in peft format (every rank takes part in the gathers)."""
-        from trainer.backends.lora import save_adapter
+        from trainer.training.backends.lora import save_adapter
         from rollout.models import resolve_model_path
 
         tensors = dict(self.adapter_tensors())

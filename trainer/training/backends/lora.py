@@ -30,7 +30,7 @@ _LORA_B = f".lora_B.{ADAPTER}.weight"
 
 
 def peft_config(lora, base_model_path: str = ""):
-    """peft's ``LoraConfig`` for homegym's ``train.lora`` (trainer.config.LoraConfig)."""
+    """peft's ``LoraConfig`` for homegym's ``train.lora`` (config.schema.LoraConfig)."""
     import peft
 
     return peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,

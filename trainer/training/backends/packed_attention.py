@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from trainer.backends.batching import SharedPrefix
+from trainer.training.backends.batching import SharedPrefix
 
 ATTN_NAME = "homegym_packed_sdpa"
 

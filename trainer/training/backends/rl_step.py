@@ -2,7 +2,7 @@
 
 ``StepLoop`` is the outer loop of both: plan the micro-batches, old/reference log-probs,
 advantages, then per optimizer step its LR, the loss of each micro-batch
-(``trainer.algo.objective``), the optimizer step and the metrics. A backend subclasses it
+(``trainer.training.algo.objective``), the optimizer step and the metrics. A backend subclasses it
 and supplies the hooks: how micro-batches are planned and built, how the model runs on
 them (forward and backward), the optimizer step and the metrics all-reduce.
 
@@ -19,13 +19,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from trainer.algo.advantages import (
+from trainer.training.algo.advantages import (
     SEQUENCE_ESTIMATORS, masked_whiten, reinforce_pp_returns, sequence_advantages)
-from trainer.algo.losses import kl_penalty
-from trainer.algo.objective import TokenInputs, policy_objective, sft_objective
-from trainer.backends.batching import (
+from trainer.training.algo.losses import kl_penalty
+from trainer.training.algo.objective import TokenInputs, policy_objective, sft_objective
+from trainer.training.backends.batching import (
     BatchLike, MicroBatch, check_batch, minibatch_ranges, step_norms)
-from trainer.backends.schedule import lr_at
+from trainer.training.backends.schedule import lr_at
 
 
 def micro_batch_advantages(algo, batch: BatchLike, mbs: list[MicroBatch],

@@ -12,6 +12,6 @@
 Importing this package does not import megatron-core (it is an optional dependency).
 """
 
-from trainer.backends.megatron.backend import MegatronBackend
+from trainer.training.backends.megatron.backend import MegatronBackend
 
 __all__ = ["MegatronBackend"]

@@ -4,9 +4,9 @@ One instance per training rank, inside ``TrainActor`` (torch.distributed is init
 by it over all ranks; Megatron's TP/PP/CP/DP/EP groups are carved out of that here).
 
 Shared with the FSDP backend, not duplicated: batching and data-parallel sharding
-(``trainer.backends.batching``, with the DP rank/size instead of the global ones), the
-loss of a micro-batch (``trainer.algo.objective``), the train/SFT step loop and advantages
-(``trainer.backends.rl_step``, this class supplies its hooks; the whitening all-reduce is
+(``trainer.training.backends.batching``, with the DP rank/size instead of the global ones), the
+loss of a micro-batch (``trainer.training.algo.objective``), the train/SFT step loop and advantages
+(``trainer.training.backends.rl_step``, this class supplies its hooks; the whitening all-reduce is
 over all ranks, and the identical copies on TP/PP replicas scale every moment alike, so
 mean and std are unchanged) and the LR schedule. Megatron-specific: the model, the
 pipeline schedule, vocab-parallel log-probs, the HF weight map, the optimizer and the
@@ -37,12 +37,12 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from trainer.backends.base import NamedTensors
-from trainer.backends.batching import (
+from trainer.training.backends.base import NamedTensors
+from trainer.training.backends.batching import (
     BatchLike, MicroBatch, build_micro_batch, check_batch, plan_step)
-from trainer.backends.megatron import hf_map
-from trainer.backends.rl_step import StepLoop, per_sample_log_probs
-from trainer.backends.schedule import total_optimizer_steps
+from trainer.training.backends.megatron import hf_map
+from trainer.training.backends.rl_step import StepLoop, per_sample_log_probs
+from trainer.training.backends.schedule import total_optimizer_steps
 
 log = logging.getLogger("homegym.megatron")
 
@@ -88,7 +88,7 @@ class MegatronBackend(StepLoop):
         self.rank, self.world_size = rank, world_size
         self.cpu = config.cluster.device != "cuda" or not torch.cuda.is_available()
         if self.cpu:
-            from trainer.backends.megatron import cpu_shim
+            from trainer.training.backends.megatron import cpu_shim
 
             cpu_shim.apply_if_needed()
             self.device = torch.device("cpu")
@@ -99,7 +99,7 @@ class MegatronBackend(StepLoop):
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
 
-        from trainer.backends.megatron import model as M
+        from trainer.training.backends.megatron import model as M
         from rollout.models import resolve_model_path
 
         train = config.train
@@ -170,13 +170,13 @@ class MegatronBackend(StepLoop):
         self.optimizer_steps = 0
         self.sft_steps = 0
         self.total_optimizer_steps = total_optimizer_steps(config.rollout, train)
-        from trainer.backends.megatron.offload import StateOffloader
+        from trainer.training.backends.megatron.offload import StateOffloader
 
         self.offloader = StateOffloader(self.device, pin=not self.cpu)
         self.last_offload: Optional[dict] = None  # bytes moved, allocated before/after
 
     def _build(self, *, trainable: bool):
-        from trainer.backends.megatron import model as M
+        from trainer.training.backends.megatron import model as M
 
         gpt = M.build_gpt(self.hf, self.tconfig, use_te=self.use_te, padded_vocab=self.padded_vocab)
         gpt.to(self.device)
@@ -232,7 +232,7 @@ class MegatronBackend(StepLoop):
         return kwargs, torch.zeros_like(col), col
 
     def _token_log_probs(self, logits, mb, row, col, *, with_entropy, entropy_grad=False):
-        from trainer.backends.megatron.model import vocab_parallel_log_probs
+        from trainer.training.backends.megatron.model import vocab_parallel_log_probs
 
         selected = logits[row.to(self.device), col.to(self.device)]
         return vocab_parallel_log_probs(selected, mb.targets.to(self.device),
@@ -304,7 +304,7 @@ class MegatronBackend(StepLoop):
                                     contribute=self.is_last and self.tp_rank == 0)
 
     # ----------------------------------------------------------------- training
-    # StepLoop's hooks; the loop itself is trainer.backends.rl_step.
+    # StepLoop's hooks; the loop itself is trainer.training.backends.rl_step.
     def _begin_step(self) -> None:
         self._ensure_onloaded()
 
@@ -377,7 +377,7 @@ class MegatronBackend(StepLoop):
         Works while offloaded (reads the host copies). ``dtype`` is not used: the tensors
         already travel in the training dtype, and the sender casts. Collective: every
         rank must drain the iterator."""
-        from trainer.backends.megatron import model as M
+        from trainer.training.backends.megatron import model as M
 
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0 (got {bucket_bytes})")

@@ -58,7 +58,7 @@ def check_supported(hf) -> None:
     if hf.model_type not in SUPPORTED:
         raise NotImplementedError(
             f"train.backend=megatron maps {', '.join(SUPPORTED)} checkpoints; "
-            f"{hf.model_type!r} needs its own map in trainer/backends/megatron/hf_map.py")
+            f"{hf.model_type!r} needs its own map in trainer/training/backends/megatron/hf_map.py")
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise NotImplementedError(f"hidden_act={hf.hidden_act!r} (only silu is mapped)")
     if getattr(hf, "use_sliding_window", False):
