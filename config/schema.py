@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Literal, Optional, get_args
+from typing import Any, ClassVar, Dict, List, Literal, Optional, get_args
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+
+from config.derived import Derived, derive
 
 
 # The choices of the keys that select an implementation. OmegaConf types these fields as
@@ -446,6 +448,11 @@ class LoggingConfig:
 
 @dataclass
 class HomegymConfig:
+    """The whole config. ``derived`` (not a key: config/derived.py) holds the values that
+    follow from the keys, resolved once here, when the config is built."""
+
+    derived: ClassVar[Derived]  # set per instance by __post_init__
+
     # Set by recipes; null (no recipe) names runs after what they train: <env>-<model>.
     recipe_name: Optional[str] = None
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -511,38 +518,7 @@ class HomegymConfig:
             _check(train.backend == "fsdp", "train.share_prompts", "needs train.backend=fsdp")
             _check(not train.gradient_checkpointing, "train.share_prompts",
                    "cannot be combined with train.gradient_checkpointing")
-
-    @property
-    def label(self) -> str:
-        """What this run trains, for run names: the recipe, else <env>-<model>."""
-        if self.recipe_name:
-            return self.recipe_name
-        env = self.env.name.replace(":", ".").rsplit(".", 1)[-1].lower()
-        model = self.model.path.rstrip("/").rsplit("/", 1)[-1]
-        return f"{env}-{model}"
-
-    @property
-    def lora_push(self) -> Optional[str]:
-        """train.lora.push resolved: adapter | merged, None without LoRA."""
-        lora = self.train.lora
-        if not lora.enabled:
-            return None
-        if lora.push == "auto":
-            return "adapter" if self.rollout.engine == "sglang" else "merged"
-        return lora.push
-
-    @property
-    def shares_prompts(self) -> bool:
-        """train.share_prompts resolved (null = wherever it applies)."""
-        if self.train.share_prompts is not None:
-            return self.train.share_prompts
-        return self.train.backend == "fsdp" and not self.train.gradient_checkpointing
-
-    @property
-    def num_engines(self) -> int:
-        if self.rollout.num_engines is not None:
-            return self.rollout.num_engines
-        return self.rollout.num_gpus // self.rollout.num_gpus_per_engine
+        self.derived = derive(self)
 
 
 def register_schema() -> None:
@@ -550,7 +526,8 @@ def register_schema() -> None:
 
 
 def build_config(cfg: DictConfig | dict) -> HomegymConfig:
-    """Turn a composed Hydra config into validated dataclass objects (once)."""
+    """Turn a composed Hydra config into validated dataclass objects (once), with its
+    derived values resolved (``config.derived``)."""
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.merge(OmegaConf.structured(HomegymConfig), cfg)
     obj = OmegaConf.to_object(cfg)

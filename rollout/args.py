@@ -44,7 +44,7 @@ class RolloutArgs:
             setattr(self, key, value)
 
     def __repr__(self) -> str:
-        return f"RolloutArgs(router={self.router_url}, recipe={self.config.label!r})"
+        return f"RolloutArgs(router={self.router_url}, recipe={self.config.derived.label!r})"
 
 
 def load_plugin(path: str, key: str) -> Callable[..., Any]:

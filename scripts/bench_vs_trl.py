@@ -161,8 +161,9 @@ def run_homegym(args, model_path: str, task: str, out: Path, *, overlap: bool = 
     import ray
 
     from trainer.driver.runtime import worker_env
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1,
-                                           config.num_engines + config.train.world_size + 2),
+    ray.init(address="local",
+             num_cpus=max(os.cpu_count() or 1,
+                          config.derived.num_engines + config.train.world_size + 2),
              include_dashboard=False, runtime_env={"env_vars": worker_env(config)},
              log_to_driver=True)
     t0 = time.time()

@@ -100,7 +100,7 @@ def main() -> None:
     walls = [m["wall"] for m in timed]
     print(f"\n{_cpu_name()}, {os.cpu_count()} CPUs, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, torch {torch.__version__}")
-    print(f"{cfg.num_engines} {cfg.rollout.engine} engines, {cfg.train.world_size} ranks, "
+    print(f"{cfg.derived.num_engines} {cfg.rollout.engine} engines, {cfg.train.world_size} ranks, "
           f"{sync.mode} route, engine dtype {cfg.rollout.dtype or cfg.model.dtype}, "
           f"{pushes[-1]['perf/weight_sync_bytes'] / 1e6:.0f} MB per engine per push, "
           f"{pushes[-1]['perf/weight_sync_buckets']:.0f} buckets, "

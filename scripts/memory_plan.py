@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = compose_config(args.overrides)
         if config.cluster.device != "cuda":
-            print(f"{config.label}: cluster.device={config.cluster.device}: no GPU memory "
+            print(f"{config.derived.label}: cluster.device={config.cluster.device}: no GPU memory "
                   "to plan (GPU recipes: qwen_0_6b, qwen_4b, qwen_8b)")
             return 0
         plan = plan_memory(config, gpu=args.gpu, gpu_memory_gib=args.gpu_memory_gib)

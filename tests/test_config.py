@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import REPO, compose_config
-from config import ConfigError, HomegymConfig
+from config import ConfigError, HomegymConfig, to_dict
 
 RECIPES = sorted(p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml"))
 GROUPS = {g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml"))
@@ -19,10 +19,11 @@ def test_default_is_the_cpu_recipe():
     explicit = compose_config("+recipe=number_guess_cpu")
     # The same run; only the name differs (no recipe: named after env and model).
     assert dataclasses.replace(default, recipe_name="number_guess_cpu") == explicit
-    assert (default.label, explicit.label) == ("number_guess-tiny-qwen3", "number_guess_cpu")
+    assert (default.derived.label, explicit.derived.label) == ("number_guess-tiny-qwen3",
+                                                            "number_guess_cpu")
     assert default.cluster.device == "cpu" and default.rollout.engine == "hf"
     assert default.model.path == "tiny-qwen3"
-    assert default.num_engines == 2
+    assert default.derived.num_engines == 2
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -83,7 +84,7 @@ def test_qwen_4b_matches_the_seed_recipe():
     assert (c.cluster.device, c.cluster.gpus_per_node, c.cluster.colocate) == ("cuda", 8, True)
     assert (c.rollout.engine, c.train.backend) == ("sglang", "megatron")
     assert c.train.tensor_model_parallel_size == 1 and c.train.world_size == 8
-    assert c.num_engines == 8
+    assert c.derived.num_engines == 8
     assert (c.train.num_steps, c.rollout.rollout_batch_size, c.rollout.n_samples_per_prompt) == (20, 8, 4)
     assert (c.rollout.max_response_len, c.train.global_batch_size, c.train.save_interval) == (64, 8, 10)
     assert c.data.apply_chat_template_kwargs == {"enable_thinking": False}
@@ -126,10 +127,10 @@ def test_rule_violations_name_key_and_rule(overrides, key, rule):
 
 
 def test_share_prompts_defaults_to_where_it_applies():
-    assert compose_config().shares_prompts
-    assert not compose_config("train.gradient_checkpointing=true").shares_prompts
-    assert not compose_config("+recipe=qwen_4b").shares_prompts  # megatron
-    assert not compose_config("train.share_prompts=false").shares_prompts
+    assert compose_config().derived.share_prompts
+    assert not compose_config("train.gradient_checkpointing=true").derived.share_prompts
+    assert not compose_config("+recipe=qwen_4b").derived.share_prompts  # megatron
+    assert not compose_config("train.share_prompts=false").derived.share_prompts
 
 
 def test_cfg_job_prints_the_gpu_recipe_on_any_machine():
@@ -143,3 +144,15 @@ def test_cli_config_error_exits_cleanly():
                           cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2
     assert "rollout.n_samples_per_prompt: must be >= 1" in proc.stderr
+
+
+def test_weight_sync_auto_is_resolved_once_and_the_key_kept():
+    colocated, apart = compose_config(), compose_config("cluster.colocate=false")
+    assert (colocated.derived.weight_sync, apart.derived.weight_sync) == ("tensor", "distributed")
+    assert compose_config("cluster.colocate=false", "train.weight_sync=disk").derived.weight_sync == "disk"
+    # The key keeps what the user wrote (the run directory's config.yaml shows it); a copy
+    # with another layout gets its own derived values.
+    assert to_dict(colocated)["train"]["weight_sync"] == "auto"
+    moved = dataclasses.replace(colocated, cluster=apart.cluster)
+    assert moved.derived.weight_sync == "distributed" and colocated.derived.weight_sync == "tensor"
+    assert "derived" not in to_dict(colocated)

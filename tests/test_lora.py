@@ -77,7 +77,7 @@ def test_push_mode_adapter_on_sglang_merged_on_the_cpu_engine():
 
     lora = {"rank": 8, "target_modules": ["q_proj", "v_proj"]}
     sglang = make_config(rollout={"engine": "sglang", "dtype": "bfloat16"}, train={"lora": lora})
-    assert sglang.lora_push == "adapter"
+    assert sglang.derived.lora_push == "adapter"
     spec = spec_from_config(sglang, "/m")
     cmd = spec.command(1, None, "127.0.0.1")
     at = cmd.index("--lora-target-modules")
@@ -86,10 +86,10 @@ def test_push_mode_adapter_on_sglang_merged_on_the_cpu_engine():
     assert spec.env["PYTHONPATH"].split(":")[0] == SGLANG_CPU_LORA_SHIM
     merged = make_config(rollout={"engine": "sglang", "dtype": "bfloat16"},
                          train={"lora": {**lora, "push": "merged"}})
-    assert merged.lora_push == "merged"
+    assert merged.derived.lora_push == "merged"
     assert "--enable-lora" not in spec_from_config(merged, "/m").command(1, None, "127.0.0.1")
-    assert make_config(train={"lora": lora}).lora_push == "merged"  # the CPU engine
-    assert make_config().lora_push is None
+    assert make_config(train={"lora": lora}).derived.lora_push == "merged"  # the CPU engine
+    assert make_config().derived.lora_push is None
     with pytest.raises(ConfigError, match="train.lora.push: adapter pushes need rollout.engine=sglang"):
         make_config(train={"lora": {**lora, "push": "adapter"}})
 

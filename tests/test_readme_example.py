@@ -25,7 +25,7 @@ def test_readme_example_composes_without_the_games_settings():
     config = compose_config(*overrides)
     assert config.env.name == "mypkg.envs:Countdown"
     assert config.env.kwargs == {} and config.warmup.steps == 0 and not config.eval.train_split
-    assert config.label == "countdown-tiny-qwen3"
+    assert config.derived.label == "countdown-tiny-qwen3"
     # The default run keeps the game's own settings.
     default = compose_config()
     assert default.env.kwargs["players"] and default.warmup.steps > 0 and default.eval.train_split

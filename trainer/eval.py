@@ -67,8 +67,8 @@ def evaluate_models(specs: Sequence[str], overrides: Sequence[str] = (),
             if label in results:
                 label = f"{label} ({len(results) + 1})"
             if not quiet:
-                print(f"homegym eval: {label} ({config.model.path}) with {config.num_engines} "
-                      f"{config.rollout.engine} engine(s)", flush=True)
+                print(f"homegym eval: {label} ({config.model.path}) with "
+                      f"{config.derived.num_engines} {config.rollout.engine} engine(s)", flush=True)
             engines = EngineGroup(config)
             manager = None
             try:

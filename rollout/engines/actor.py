@@ -406,7 +406,7 @@ def spec_from_config(config, model_path: str, *, engine_kind: Optional[str] = No
 
 def _lora_args(config) -> dict:
     """LoRA serving flags of an engine that receives adapters (train.lora.push)."""
-    if config.lora_push != "adapter":
+    if config.derived.lora_push != "adapter":
         return {}
     lora = config.train.lora
     return dict(lora_rank=lora.rank, lora_target_modules=tuple(lora.target_modules))

@@ -107,7 +107,7 @@ class EngineGroup(_FanOut):
         from rollout.models import resolve_model_path
 
         self.config = config
-        self.num_engines = num_engines if num_engines is not None else config.num_engines
+        self.num_engines = num_engines if num_engines is not None else config.derived.num_engines
         if self.num_engines < 1:
             raise ValueError(f"num_engines must be >= 1 (got {self.num_engines})")
         self.resources = None  # (num_cpus, num_gpus) per actor when a Placement says so

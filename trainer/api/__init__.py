@@ -85,7 +85,7 @@ class TrainConfig:
 
         overrides, values = self._base()
         composed = compose_config(overrides, values)  # cheap validation before Ray starts
-        run_name = self.run_name or f"{composed.label}-{datetime.now():%Y%m%d-%H%M%S-%f}"
+        run_name = self.run_name or f"{composed.derived.label}-{datetime.now():%Y%m%d-%H%M%S-%f}"
         data = None
         if self.dataset is not None:
             data_dir = Path(composed.logging.output_dir).resolve() / run_name / "data"

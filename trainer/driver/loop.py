@@ -57,7 +57,7 @@ class RunResult:
 
 def make_run_dir(config: HomegymConfig) -> Path:
     name = config.logging.run_name or (
-        f"{config.label}-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+        f"{config.derived.label}-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     return Path(config.logging.output_dir).resolve() / name
 
 

@@ -455,7 +455,7 @@ def micro_batch_tokens(config, dp: int) -> tuple[int, int, str]:
     cap, context = train.max_tokens_per_micro_batch, config.model.max_context_len
     minibatch = train.global_batch_size or r.rollout_batch_size * r.n_samples_per_prompt
     per_rank = math.ceil(minibatch / dp)
-    if train.backend == "fsdp" and getattr(config, "shares_prompts", False):
+    if train.backend == "fsdp" and config.derived.share_prompts:
         groups = math.ceil(minibatch / r.n_samples_per_prompt)
         if groups >= dp:  # shared-prefix training deals whole groups to ranks
             per_rank = math.ceil(groups / dp) * r.n_samples_per_prompt
@@ -635,7 +635,7 @@ def _sglang_arg(args, flag: str) -> Optional[str]:
 
 def _engine(config, arch: ModelArch, capacity: float) -> _Engine:
     r, model = config.rollout, config.model
-    tp, engines = r.num_gpus_per_engine, config.num_engines
+    tp, engines = r.num_gpus_per_engine, config.derived.num_engines
     extra = list(getattr(r, "sglang_args", None) or [])
     dtype = getattr(r, "dtype", None) or model.dtype  # rollout.dtype: the engines' own
     wbytes = 2 if dtype in ("bfloat16", "float16") else 4
@@ -776,7 +776,7 @@ def plan_memory(config, *, arch: Optional[ModelArch] = None, gpu: Optional[str] 
                   "training GPUs")
     summary = [f"GPUs: {config.cluster.num_nodes} x {config.cluster.gpus_per_node} {gpu_name} "
                f"({cap_gib:g} GiB each); {layout}",
-               f"engines: {config.num_engines} x SGLang TP {r.num_gpus_per_engine}, "
+               f"engines: {config.derived.num_engines} x SGLang TP {r.num_gpus_per_engine}, "
                f"mem_fraction_static {r.mem_fraction_static:g}"
                + ("; memory saver: weights and KV released while training" if colocate else ""),
                *trainer.summary, *engine.summary]
@@ -785,7 +785,7 @@ def plan_memory(config, *, arch: Optional[ModelArch] = None, gpu: Optional[str] 
     if tight:
         notes.append(f"under {TIGHT_FRACTION:.0%} headroom at {', '.join(tight)}: allocator "
                      "fragmentation may still run out of memory")
-    return MemoryPlan(recipe=config.label, arch=arch, arch_source=source, gpu=gpu_name,
+    return MemoryPlan(recipe=config.derived.label, arch=arch, arch_source=source, gpu=gpu_name,
                       capacity=capacity, layout="colocated" if colocate else "disaggregated",
                       phases=phases, summary=tuple(summary), notes=tuple(notes),
                       suggestions=suggestions)

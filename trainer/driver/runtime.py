@@ -72,7 +72,7 @@ def connect_ray(config: HomegymConfig, *, pip: Sequence[str] = ()) -> bool:
         return False
     # Logical CPUs: engines and training ranks share bundles when colocated and mostly wait
     # on each other, so the local instance advertises at least what the layout needs.
-    needed = max(os.cpu_count() or 1, config.num_engines + config.train.world_size + 2)
+    needed = max(os.cpu_count() or 1, config.derived.num_engines + config.train.world_size + 2)
     # address="local": always a new instance of our own. Without it Ray joins whatever
     # cluster it finds on this machine (a `ray start --head`, another run's), which is
     # neither what the user asked for nor compatible with num_cpus.
@@ -131,14 +131,15 @@ class Runtime:
             # After ray.init, which installs a SIGTERM handler of its own in the driver.
             self._install_signal_handlers()
             self.placement = Placement(self.config)
-            _progress(f"starting {self.config.num_engines} {self.config.rollout.engine} engines")
+            _progress(f"starting {self.config.derived.num_engines} {self.config.rollout.engine} "
+                      "engines")
             self.engines = EngineGroup(self.config, self.placement,
                                        log_dir=str(self.run_dir / "logs" / "engines"))
             _progress(f"starting {self.config.train.world_size} {self.config.train.backend} "
                       "training ranks")
             self.train_group = TrainGroup(self.config, self.placement)
             self.manager = RolloutManager.remote(self.config, self.engines.router_url)
-            if self.config.lora_push == "adapter":
+            if self.config.derived.lora_push == "adapter":
                 from trainer.weight_sync.adapter import AdapterSync
 
                 manager = self.manager

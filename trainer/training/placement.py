@@ -47,7 +47,7 @@ class Placement:
         self.gpu = cluster.device == "cuda"
         self.colocate = cluster.colocate
         self.num_train = config.train.world_size
-        self.num_engines = config.num_engines
+        self.num_engines = config.derived.num_engines
         self.gpus_per_engine = rollout.num_gpus_per_engine if self.gpu else 1
         if self.gpu and cluster.gpus_per_node % self.gpus_per_engine:
             raise ValueError(f"rollout.num_gpus_per_engine={self.gpus_per_engine} must divide "

@@ -91,21 +91,12 @@ def broadcast_ranks(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, world_size
 
 
-def sync_mode(config) -> str:
-    """``train.weight_sync`` resolved: auto = tensor handles between colocated processes,
-    a broadcast to disaggregated engines."""
-    mode = config.train.weight_sync
-    if mode != "auto":
-        return mode
-    return "tensor" if config.cluster.colocate else "distributed"
-
-
 class WeightSync:
     """Driver-side: one per run (built by the Runtime); ``push(version)`` per update."""
 
     def __init__(self, config, train_group, engines, *, mode: Optional[str] = None,
                  disk_dir: str = "") -> None:
-        mode = mode or sync_mode(config)
+        mode = mode or config.derived.weight_sync
         if mode not in ("tensor", "distributed", "disk"):
             raise ValueError(f"weight sync mode must be tensor, distributed or disk (got {mode!r})")
         self.config = config

@@ -86,7 +86,7 @@ class FSDPBackend(StepLoop):
         self.optimizer_steps = 0  # RL optimizer steps (drives the LR schedule)
         self.sft_steps = 0
         self.pad_token_id = self.model.config.pad_token_id or 0
-        self.share_prompts = config.shares_prompts
+        self.share_prompts = config.derived.share_prompts
         self.cache_kw = cache_kwarg(self.model)
         # Otherwise the LM head runs at every position and _kept selects (more work).
         self.bool_keep = keeps_boolean_logits(self.model)
@@ -105,7 +105,8 @@ class FSDPBackend(StepLoop):
         # model.dtype becomes FSDP's compute dtype. The reference model never steps.
         load_dtype = torch.float32 if trainable else dtype
         # Shared prefixes need their own attention (SDPA over re-padded packed suffixes).
-        attn = packed_attention.register() if self.config.shares_prompts else cfg.attn_implementation
+        attn = (packed_attention.register() if self.config.derived.share_prompts
+                else cfg.attn_implementation)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype,
                                                      attn_implementation=attn)
         model.config.use_cache = False

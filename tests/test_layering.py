@@ -1,0 +1,51 @@
+"""The import graph's layers: config < envs < rollout < trainer < scripts/examples.
+
+Every import statement of every module (function-level ones included) is read with ast;
+a module may import its own layer or a lower one, never a higher one. The config package
+is the bottom: it must also stay free of torch, Ray and transformers, checked by really
+importing it (and composing the default config) in a fresh interpreter."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+LAYERS = {"config": 0, "envs": 1, "rollout": 2, "trainer": 3, "scripts": 4, "examples": 4}
+HEAVY = ("torch", "ray", "transformers")
+
+
+def _imports(path):
+    """(line, top-level package) of each absolute or relative import in the file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = path.relative_to(REPO).parts[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            yield node.lineno, package if node.level else (node.module or "").split(".")[0]
+
+
+def test_no_upward_import():
+    upward = []
+    for package, layer in LAYERS.items():
+        for path in sorted((REPO / package).rglob("*.py")):
+            for line, target in _imports(path):
+                if LAYERS.get(target, -1) > layer:
+                    upward.append(f"{path.relative_to(REPO)}:{line} imports {target}")
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_config_imports_nothing_heavy_and_nothing_of_the_project():
+    code = ("import json, sys, config; config.compose_config(); "
+            "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    loaded = set(json.loads(out))
+    assert "config" in loaded and "hydra" in loaded  # the check saw the real import
+    assert not loaded & set(HEAVY), loaded & set(HEAVY)
+    assert not loaded & (set(LAYERS) - {"config"}), loaded & set(LAYERS)
