@@ -24,8 +24,8 @@ from config.derived import Derived, derive
 
 # The choices of the keys that select an implementation. OmegaConf types these fields as
 # str (it has no Literal support), so each is checked against its Literal here, and the
-# registries that implement them (trainer/training/backends, trainer/training/algo) are keyed by the same
-# names and checked against them at import.
+# registries that implement them (trainer/training/backends, trainer/training/algo) are
+# keyed by the same names and checked against them at import.
 Backend = Literal["fsdp", "megatron"]
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp"]
 PolicyLoss = Literal["ppo", "gspo", "sft"]
@@ -251,8 +251,9 @@ class LoraConfig:
     adapters train and only they have optimizer state. ``push`` says what engines
     receive: ``merged`` weights (base + alpha/rank * B @ A under the HF names), which every
     engine loads as it would a full update, or only the ``adapter``, which SGLang engines
-    load with ``/load_lora_adapter`` and apply to requests that name it (trainer/weight_sync/adapter.py);
-    ``auto`` = adapter with rollout.engine=sglang, merged with homegym's CPU engine."""
+    load with ``/load_lora_adapter`` and apply to requests that name it
+    (trainer/weight_sync/adapter.py); ``auto`` = adapter with rollout.engine=sglang, merged
+    with homegym's CPU engine."""
 
     rank: int = 0  # 0 = off: the full model trains
     alpha: float = 16.0

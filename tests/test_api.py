@@ -156,7 +156,8 @@ def test_seed_example_runs_end_to_end(tmp_path):
     summary = json.loads(line[len("RESULT "):])
     run_dir = Path(summary["run_dir"])
     cfg = (run_dir / "config.yaml").read_text()
-    assert "trainer.api.shipping:shipped__number_guess_rm__" in cfg  # shipped by value from __main__
+    # shipped by value from __main__
+    assert "trainer.api.shipping:shipped__number_guess_rm__" in cfg
     assert (run_dir / "data" / "train.parquet").exists()
     # The two RL steps ran.
     steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "rollout/raw_reward" in m]

@@ -149,7 +149,8 @@ def test_cli_config_error_exits_cleanly():
 def test_weight_sync_auto_is_resolved_once_and_the_key_kept():
     colocated, apart = compose_config(), compose_config("cluster.colocate=false")
     assert (colocated.derived.weight_sync, apart.derived.weight_sync) == ("tensor", "distributed")
-    assert compose_config("cluster.colocate=false", "train.weight_sync=disk").derived.weight_sync == "disk"
+    disk = compose_config("cluster.colocate=false", "train.weight_sync=disk")
+    assert disk.derived.weight_sync == "disk"
     # The key keeps what the user wrote (the run directory's config.yaml shows it); a copy
     # with another layout gets its own derived values.
     assert to_dict(colocated)["train"]["weight_sync"] == "auto"

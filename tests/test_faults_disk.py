@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from conftest import REPO, main_exit
-from trainer.driver.checkpoint import MARKER, CheckpointError, CheckpointManager, preflight_output_dir
+from trainer.driver.checkpoint import (MARKER, CheckpointError, CheckpointManager,
+                                       preflight_output_dir)
 
 
 

@@ -1,4 +1,5 @@
-"""The flash-attn varlen path of the shared-prefix attention (trainer/training/backends/packed_attention).
+"""The flash-attn varlen path of the shared-prefix attention
+(trainer/training/backends/packed_attention).
 
 On any machine: the varlen layout (cu_seqlens, the key gather, bottom-right causal) run
 through a pure-torch stand-in for ``flash_attn_varlen_func`` gives the SDPA path's outputs

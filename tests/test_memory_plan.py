@@ -8,9 +8,9 @@ import pytest
 
 from conftest import REPO
 from config import ConfigError, compose_config
-from trainer.driver.memory_plan import (BUILTIN_ARCHS, ENGINE_CONTEXT_GIB, GiB, MemoryPlanError, MiB,
-                                 ModelArch, TRAIN_CONTEXT_GIB, TRAIN_NCCL_GIB, check_memory,
-                                 gpu_capacity, model_arch, plan_memory)
+from trainer.driver.memory_plan import (BUILTIN_ARCHS, ENGINE_CONTEXT_GIB, GiB, MemoryPlanError,
+                                        MiB, ModelArch, TRAIN_CONTEXT_GIB, TRAIN_NCCL_GIB,
+                                        check_memory, gpu_capacity, model_arch, plan_memory)
 
 GPU_RECIPES = sorted(p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml")
                      if compose_config([f"+recipe={p.stem}"]).cluster.device == "cuda")

@@ -3,7 +3,7 @@
 import json
 
 from trainer.driver.report import (PASSES, TERMINAL_WIDTH, format_eval_table, plot_curves,
-                            terminal_eval_table)
+                                   terminal_eval_table)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,5 +1,6 @@
-"""The endpoint (trainer/serving/endpoint.py, trainer/serving/auth_proxy.py, the trainer/serve.py CLI), for
-real: hf engine + sglang-router + the authenticating proxy on loopback."""
+"""The endpoint (trainer/serving/endpoint.py, trainer/serving/auth_proxy.py, the
+trainer/serve.py CLI), for real: hf engine + sglang-router + the authenticating proxy on
+loopback."""
 
 import subprocess
 import sys

@@ -40,7 +40,7 @@ from trainer.serving.endpoint import Endpoint
 from trainer.api.model_catalog import Model, Qwen3_0_6B, Qwen3_4B, Qwen3_8B, SmolLM2_135M, TinyQwen3
 from trainer.driver.preflight import preflight
 from trainer.api.recipes import (NumberGuessCPURecipe, Qwen3_0_6B_Recipe, Qwen3_4B_Recipe,
-                             Qwen3_8B_Recipe, Recipe)
+                                 Qwen3_8B_Recipe, Recipe)
 from trainer.api.shipping import ship_function, ship_locally, ship_or_describe
 
 __all__ = [

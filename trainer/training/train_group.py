@@ -75,7 +75,7 @@ class TrainActor:
             if self.rank == 0:
                 yield bucket
 
-    # ---- weights to the engines (trainer.weight_sync.push) and to disk ----------------------------
+    # ---- weights to the engines (trainer.weight_sync.push) and to disk -----------------
     def init_weight_broadcast(self, targets: list, group_name: str, backend: str) -> None:
         """Rank 0 joins the engines' weight-update group as its rank 0 (SGLang's protocol)."""
         if self.rank != 0:
@@ -96,7 +96,8 @@ class TrainActor:
             dist.destroy_process_group(group)
 
     def send_weights(self, plan) -> dict[str, float]:
-        """Stream this backend's weights to the engines of ``plan`` (trainer.weight_sync.push.PushPlan)."""
+        """Stream this backend's weights to the engines of ``plan``
+        (trainer.weight_sync.push.PushPlan)."""
         from trainer.weight_sync.push import DTYPES, send_weights
 
         buckets = self.backend.named_weight_buckets(plan.bucket_bytes, device=plan.device,

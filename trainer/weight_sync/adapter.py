@@ -47,7 +47,8 @@ def _version_of(name: str) -> Optional[int]:
 
 
 class AdapterSync:
-    """Driver-side, in place of trainer.weight_sync.push.WeightSync: ``push(version)`` per update."""
+    """Driver-side, in place of trainer.weight_sync.push.WeightSync: ``push(version)`` per
+    update."""
 
     mode = "adapter"
 

@@ -7,8 +7,9 @@ collectives inside; results that matter are identical on every rank (metrics are
 all-reduced, log-probs all-gathered), except ``named_weight_buckets`` which yields the
 gathered tensors on every rank (callers keep rank 0's).
 
-Shared, backend-neutral pieces: ``trainer.training.backends.batching`` (sharding, micro-batches),
-``trainer.training.algo.objective`` (the loss of a micro-batch), ``trainer.training.backends.schedule`` (LR).
+Shared, backend-neutral pieces: ``trainer.training.backends.batching`` (sharding,
+micro-batches), ``trainer.training.algo.objective`` (the loss of a micro-batch),
+``trainer.training.backends.schedule`` (LR).
 """
 
 from __future__ import annotations

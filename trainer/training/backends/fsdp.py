@@ -6,8 +6,8 @@ save/load and ``module.to()`` all work, so the CPU path is the same code as the 
 
 What is FSDP-specific lives here: sharding, running the model on micro-batches, gradient
 sync, checkpoint format, offload. The step loop, loss, advantages and batching are shared
-(``trainer.training.backends.rl_step``, ``trainer.training.algo``, ``trainer.training.backends.batching``) so a
-Megatron backend computes the same objective.
+(``trainer.training.backends.rl_step``, ``trainer.training.algo``,
+``trainer.training.backends.batching``) so a Megatron backend computes the same objective.
 """
 
 from __future__ import annotations
