@@ -142,6 +142,11 @@ class RolloutConfig:
     # SGLang's --max-total-tokens (KV cache tokens); null = SGLang's own sizing on GPU,
     # 65536 on CPU (SGLang would otherwise size it from free RAM).
     sglang_max_total_tokens: Optional[int] = None
+    # Hybrid models (Qwen3.5): SGLang's per-request recurrent-state pool, as a ratio of the
+    # KV cache's memory and/or a number of state slots (3 per running request). null =
+    # SGLang's ratio 0.9; on CPU the slots are then that share of the KV cache above.
+    sglang_mamba_full_memory_ratio: Optional[float] = None
+    sglang_max_mamba_cache_size: Optional[int] = None
     # Extra `sglang.launch_server` arguments, appended as given.
     sglang_args: List[str] = field(default_factory=list)
     # Engines: on GPU derived from num_gpus / num_gpus_per_engine unless set; on CPU set.
@@ -201,6 +206,12 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
         _check(0 < self.mem_fraction_static <= 1, "rollout.mem_fraction_static", "must be in (0, 1]")
         _check(self.sample_timeout_s > 0, "rollout.sample_timeout_s", "must be > 0")
+        if self.sglang_mamba_full_memory_ratio is not None:
+            _check(self.sglang_mamba_full_memory_ratio > 0,
+                   "rollout.sglang_mamba_full_memory_ratio", "must be > 0")
+        if self.sglang_max_mamba_cache_size is not None:
+            _check(self.sglang_max_mamba_cache_size >= 3, "rollout.sglang_max_mamba_cache_size",
+                   "must be >= 3 (a running request holds 3 state slots)")
         _one_of(self.update_in_flight, "rollout.update_in_flight", ("pause", "abort"))
         _check(not (self.agent.function and self.custom_generate_function),
                "rollout.agent.function", "an agent is the rollout: unset "

@@ -32,6 +32,8 @@ class ModelPathError(ValueError):
 
 
 BUILTIN_MODELS = ("tiny-qwen3", "tiny-qwen3-tools", "tiny-qwen3_5", "smollm2-135m")
+# Built-ins whose layers keep a recurrent state (known before they are made).
+HYBRID_BUILTINS = ("tiny-qwen3_5",)
 
 def keeps_boolean_logits(model) -> bool:
     """Whether the model's forward takes a boolean [B, L] ``logits_to_keep`` (newer

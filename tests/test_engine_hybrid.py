@@ -242,6 +242,6 @@ def test_hybrid_model_without_state_support_is_refused_at_start(tmp_path, tiny_m
                           timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
-    assert lines[-1].startswith("homegym: model.path: Qwen3NextForCausalLM") and \
-        "rollout.engine=sglang" in lines[-1], lines[-3:]
+    assert lines[-1].startswith("homegym: rollout.engine: hf keeps no recurrent state for "
+                                "qwen3_next") and "rollout.engine=sglang" in lines[-1], lines[-3:]
     assert json.loads((tmp_path / "config.json").read_text())["layer_types"]

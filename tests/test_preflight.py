@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, clean_env, main_exit
+from conftest import REPO, clean_env, compose_config, main_exit
 
 # Seconds a check may take on a loaded 2-core box (about 1 s unloaded); Ray and the
 # engines alone take longer than this to start.
@@ -237,3 +237,64 @@ def test_a_config_error_inside_a_ray_actor_is_reported_as_one_line(ray_local):
         ray.get(outer.remote(), timeout=60)
     assert str(user_error(info.value)) == "env.kwargs: rejected"
     assert user_error(RuntimeError("not a config error")) is None
+
+
+# ---- what an engine cannot serve here ---------------------------------------------------
+
+def _checkpoint(tmp_path, tiny_model_path, config: dict) -> str:
+    """A checkpoint directory with ``config`` and tiny-qwen3's tokenizer (the checks read
+    config.json only)."""
+    import shutil
+
+    d = tmp_path / config["text_config"]["model_type"] if "text_config" in config else \
+        tmp_path / config["model_type"]
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny_model_path}/{name}", d / name)
+    return str(d)
+
+
+def test_sglang_on_a_cpu_without_avx512_and_amx_is_refused(tmp_path):
+    """SGLang's CPU kernels need AVX-512 and AMX: on a CPU without them (an AVX2-only
+    cpuinfo here, whatever this machine has) the run stops before Ray, naming the key."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx avx2 fma\n")
+    run = main_exit(tmp_path, "model.path=tiny-qwen3_5", "rollout.engine=sglang",
+                    "rollout.dtype=bfloat16", env={"SGLANG_CPU_CPUINFO": str(cpuinfo)})
+    _assert_one_line_error(run, "rollout.engine", "lacks avx512f, amx_tile")
+
+
+def test_what_an_engine_cannot_serve_for_a_hybrid_model_is_refused(tmp_path, tiny_model_path,
+                                                                   tiny_qwen3_5_path,
+                                                                   monkeypatch):
+    """Qwen3.5 head dims SGLang's CPU kernels do not take; a hybrid architecture whose state
+    homegym's CPU engine does not keep; a disaggregated run that would keep engines'
+    recurrent states across an update (requests waiting in place cannot be flushed)."""
+    from config import ConfigError
+    from trainer.driver.preflight import preflight
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: avx2 avx512f avx512bw amx_tile amx_bf16\n")
+    monkeypatch.setenv("SGLANG_CPU_CPUINFO", str(cpuinfo))
+    q35 = json.loads(open(f"{tiny_qwen3_5_path}/config.json").read())
+    q35["text_config"].update(linear_key_head_dim=16, linear_value_head_dim=16)
+    small_heads = _checkpoint(tmp_path, tiny_model_path, q35)
+    sglang = ("rollout.engine=sglang", "rollout.dtype=bfloat16")
+    preflight(compose_config("model.path=tiny-qwen3_5", *sglang))  # 64 / 64: served
+    with pytest.raises(ConfigError, match=r"^model.path: .*head dims are 16 \(key\) / 16 "
+                                          r"\(value\); SGLang's CPU kernels take 64 or 128"):
+        preflight(compose_config(f"model.path={small_heads}", *sglang))
+    preflight(compose_config(f"model.path={small_heads}"))  # homegym's CPU engine serves it
+    nxt = _checkpoint(tmp_path, tiny_model_path, {
+        "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+        "layer_types": ["linear_attention", "full_attention"]})
+    with pytest.raises(ConfigError, match=r"^rollout.engine: hf keeps no recurrent state for "
+                                          r"qwen3_next .*rollout.engine=sglang$"):
+        preflight(compose_config(f"model.path={nxt}"))
+    with pytest.raises(ConfigError, match=r"^rollout.update_in_flight: pause with a hybrid "
+                                          r"model .*rollout.update_in_flight=abort"):
+        preflight(compose_config("model.path=tiny-qwen3_5", "cluster.colocate=false"))
+    preflight(compose_config("model.path=tiny-qwen3_5", "cluster.colocate=false",
+                             "rollout.update_in_flight=abort"))
+    preflight(compose_config("cluster.colocate=false"))  # a dense model keeps the default

@@ -189,7 +189,7 @@ def test_cpu_engine_serves_only_routes_of_its_contract(contract):
     assert not missing, f"the CPU engine serves routes SGLang {contract.version} lacks: {missing}"
 
 
-def test_pinned_version_launch_flags_are_server_args(contract):
+def test_pinned_version_launch_flags_are_server_args(contract, tiny_qwen3_5_path):
     """Every flag SGLangLaunch can emit is a CLI field of the pinned ServerArgs."""
     import ast
 
@@ -213,6 +213,11 @@ def test_pinned_version_launch_flags_are_server_args(contract):
         used = {a for a in spec.command(1, None, "127.0.0.1") if a.startswith("--")}
         assert used - flags == set(), f"not ServerArgs of SGLang {contract.version}"
         assert len(used) >= 15
+        # A hybrid model (Qwen3.5) adds its state pool's flags.
+        hybrid = dataclasses.replace(spec, model_path=tiny_qwen3_5_path,
+                                     mamba_full_memory_ratio=0.5, max_mamba_cache_size=30)
+        extra = {a for a in hybrid.command(1, None, "127.0.0.1") if a.startswith("--")} - used
+        assert extra == {"--mamba-full-memory-ratio", "--max-mamba-cache-size"} and extra <= flags
 
 
 def test_client_refuses_an_unsupported_version():

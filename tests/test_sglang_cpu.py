@@ -15,7 +15,6 @@ import dataclasses
 import json
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import requests
@@ -23,6 +22,7 @@ import torch
 
 from conftest import compose_config, push_tensors, run_main
 from rollout.engines.actor import SGLANG_CPU_LOADERS
+from rollout.engines.sglang_serving import missing_cpu_flags
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +30,7 @@ SGLANG_PYTHON = os.environ.get("HOMEGYM_SGLANG_PYTHON", "")
 
 
 def _skip_reason() -> str | None:
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    missing = [f for f in ("avx512f", "amx_tile") if f not in flags]
+    missing = missing_cpu_flags()
     if missing:
         return f"this CPU lacks {', '.join(missing)}: SGLang's CPU kernels need AVX-512 and AMX"
     if not SGLANG_PYTHON or not os.path.exists(SGLANG_PYTHON):
@@ -280,3 +279,68 @@ def test_default_recipe_trains_colocated_on_real_sglang(tmp_path):
         print(f"step {r['step']}: rollout/trainer log-prob gap "
               f"{r['train/rollout_logprob_abs_diff']:.4f}, sync {r['perf/weight_sync_time']:.2f}s")
         assert r["train/rollout_logprob_abs_diff"] < 0.05
+
+
+# ---- Qwen3.5 (hybrid: Gated DeltaNet + gated attention) --------------------------------
+
+@pytest.fixture(scope="module")
+def q35_group(ray_local, tiny_qwen3_5_path, tmp_path_factory):
+    from rollout.engines.group import EngineGroup
+
+    g = EngineGroup(sglang_config("model.path=tiny-qwen3_5"), model_path=tiny_qwen3_5_path,
+                    log_dir=str(tmp_path_factory.mktemp("sglang-q35")))
+    yield g
+    g.shutdown()
+
+
+def test_qwen3_5_serves_text_only_with_its_state_pool_and_is_flushed_after_a_push(
+        q35_group, tiny_qwen3_5_path):
+    """tiny-qwen3_5 (the vision-language checkpoint layout) on the real server: started
+    from the text-only view with the state pool homegym sized; greedy outputs are the
+    model's at bf16's level; a second turn may reuse the radix cache; a push (tensors named
+    as the checkpoint, through homegym's re-packing loaders) followed by the flush every
+    hybrid push ends with serves the new weights and nothing cached under the old ones."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rollout.checkpoints import read_config
+    from rollout.engines.sglang_serving import cpu_state_slots
+    from trainer.weight_sync.push import PushPlan, send_weights
+
+    client = q35_group.clients[0]
+    info = client.server_info()
+    assert "sglang-text-only" in info["model_path"]
+    assert info["max_mamba_cache_size"] == cpu_state_slots(
+        read_config(tiny_qwen3_5_path), 65536, "bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_5_path).eval()
+    prompt = list(range(20, 60))
+    ids, lps = greedy(q35_group.router_url, prompt, n=8)
+    gap = (forward_logprobs(model, prompt, ids) - torch.tensor(lps)).abs().max().item()
+    print(f"\nQwen3.5 on SGLang-CPU bf16 vs fp32 forward: max |diff| {gap:.4f}")
+    assert gap < 0.1, gap
+    turn2 = prompt + ids + [7, 8]
+
+    def cached(ids_in):
+        r = requests.post(q35_group.router_url + "/generate", timeout=120, json={
+            "input_ids": ids_in, "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+        return r.json()["meta_info"]["cached_tokens"]
+
+    print(f"second turn: {cached(turn2)} cached tokens")
+    original = load_file(os.path.join(tiny_qwen3_5_path, "model.safetensors"))
+    new = _perturbed(tiny_qwen3_5_path)
+    plan = PushPlan(mode="tensor", version=31, targets=tuple(q35_group.targets()),
+                    bucket_bytes=1 << 16, dtype="bfloat16", device="cpu", flush_cache=True,
+                    loaders=SGLANG_CPU_LOADERS)
+    send_weights([sorted(new.items())], plan, rank=0, world_size=1)
+    assert client.weight_version() == "31"
+    assert cached(turn2) == 0  # the flush dropped every state computed with the old weights
+    after_ids, after_lps = greedy(q35_group.router_url, prompt, n=8)
+    text = {k.replace("model.language_model.", "model."): v.float() for k, v in new.items()
+            if k.startswith("model.language_model.")}
+    text["lm_head.weight"] = text["model.embed_tokens.weight"]  # tied
+    model.load_state_dict({**model.state_dict(), **text})
+    gap = (forward_logprobs(model, prompt, after_ids) - torch.tensor(after_lps)).abs().max()
+    assert gap < 0.1, gap
+    send_weights([sorted(original.items())], dataclasses.replace(plan, version=32),
+                 rank=0, world_size=1)
+    assert greedy(q35_group.router_url, prompt, n=8)[0] == ids

@@ -24,7 +24,9 @@ from typing import Optional, Sequence
 
 import requests
 
+from rollout.checkpoints import is_hybrid, read_config
 from rollout.engines.client import EngineClient, EngineError
+from rollout.engines.sglang_serving import cpu_state_slots, served_path
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -143,6 +145,12 @@ class SGLangLaunch(LaunchSpec):
     # at run time with /load_lora_adapter (trainer/weight_sync/adapter.py).
     lora_rank: int = 0
     lora_target_modules: Sequence[str] = ()
+    # Hybrid models (Qwen3.5's Gated DeltaNet layers): the pool of per-request recurrent
+    # states. ratio = state memory / KV-cache memory (null: SGLang's 0.9); size = state
+    # slots (a running request holds 3; null on GPU: SGLang sizes it from the ratio, on
+    # CPU: ratio x the KV cache max_total_tokens sets, see sglang_serving.py).
+    mamba_full_memory_ratio: Optional[float] = None
+    max_mamba_cache_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         # The router health-checks every engine each second through /health; by default
@@ -168,7 +176,9 @@ class SGLangLaunch(LaunchSpec):
                 self.env.setdefault("LD_PRELOAD", iomp)
 
     def command(self, port: int, port_file: Optional[str], host: str) -> list[str]:
-        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path,
+        # Made on the engine's own node: a vision-language checkpoint as a text-only view.
+        model_path = served_path(self.model_path)
+        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", model_path,
                "--host", host, "--port", str(port), "--device", self.device,
                "--tp-size", str(self.tp_size), "--dtype", _sglang_dtype(self.dtype),
                "--trust-remote-code", "--log-level", self.log_level,
@@ -194,6 +204,7 @@ class SGLangLaunch(LaunchSpec):
             cmd += ["--skip-server-warmup"]
         if self.device == "cpu":
             cmd += ["--custom-weight-loader", *SGLANG_CPU_LOADERS]
+        cmd += self._state_args(read_config(self.model_path))
         if self.lora_rank:
             cmd += ["--enable-lora", "--max-lora-rank", str(self.lora_rank),
                     "--lora-target-modules", *self.lora_target_modules]
@@ -204,6 +215,21 @@ class SGLangLaunch(LaunchSpec):
     def extra_ready_check(self) -> Optional[str]:
         # SGLang's /health can answer before the scheduler serves; a 1-token generate can't.
         return "/health_generate"
+
+    def _state_args(self, config: dict) -> list[str]:
+        """The state pool's flags for a hybrid model (none for others)."""
+        if not is_hybrid(config):
+            return []
+        size = self.max_mamba_cache_size
+        if size is None and self.device == "cpu":
+            size = cpu_state_slots(config, self.max_total_tokens, _sglang_dtype(self.dtype),
+                                   self.mamba_full_memory_ratio)
+        args = []
+        if self.mamba_full_memory_ratio is not None:
+            args += ["--mamba-full-memory-ratio", str(self.mamba_full_memory_ratio)]
+        if size is not None:
+            args += ["--max-mamba-cache-size", str(size)]
+        return args
 
 
 # SGLang's CPU backend needs its AMX weights re-packed after in-place updates: homegym's
@@ -400,6 +426,8 @@ def spec_from_config(config, model_path: str, *, engine_kind: Optional[str] = No
                             random_seed=config.train.seed + index,
                             python=r.sglang_python or sys.executable,
                             max_total_tokens=r.sglang_max_total_tokens,
+                            mamba_full_memory_ratio=r.sglang_mamba_full_memory_ratio,
+                            max_mamba_cache_size=r.sglang_max_mamba_cache_size,
                             extra_args=tuple(r.sglang_args), **_lora_args(config), **common)
     raise ValueError(f"rollout.engine must be hf or sglang (got {kind!r})")
 

@@ -12,7 +12,11 @@ actor as a remote traceback:
 - every split the run reads has rows: data files exist and hold data.input_key and
   data.label_key, or the environment generates the split;
 - model.path is a directory with a config and a tokenizer (or a built-in model that can
-  be made here).
+  be made here);
+- the engine can serve the model here: SGLang on CPU needs AVX-512 and AMX (and, for
+  Qwen3.5, Gated DeltaNet head dims its kernels take), homegym's CPU engine keeps
+  recurrent state for Qwen3.5 only, and a hybrid model's cached states can be flushed
+  after every weight update (not while requests wait in place).
 
 Each problem is a ``ConfigError`` whose one-line message starts with the key. Nothing here
 loads a torch model, a tokenizer or a whole data file.
@@ -41,6 +45,7 @@ def preflight(config: HomegymConfig) -> None:
     check_warmup(config, env_cls)
     check_data(config, env_cls)
     check_model(config)
+    check_engine(config)
 
 
 def _fail(key: str, message: str) -> ConfigError:
@@ -298,3 +303,47 @@ def _check_model_files(config: HomegymConfig) -> None:
         raise _fail("model.path", f"{str(directory)!r} has no tokenizer (none of "
                     f"{', '.join(TOKENIZER_FILES)}); save the tokenizer into the checkpoint "
                     "directory (tokenizer.save_pretrained)")
+
+
+# ----------------------------------------------------------------------- engine
+def _model_config(config: HomegymConfig) -> dict:
+    """model.path's config.json ({} for a built-in model not made yet)."""
+    from rollout.checkpoints import read_config
+    from rollout.models import BUILTIN_MODELS, default_cache_dir
+
+    path = config.model.path
+    if path in BUILTIN_MODELS and not os.path.isdir(path):
+        cache = Path(config.model.cache_dir) if config.model.cache_dir else default_cache_dir()
+        path = str(cache / path)
+    return read_config(path)
+
+
+def check_engine(config: HomegymConfig) -> None:
+    """What the configured engine cannot serve here, or cannot keep right for this model."""
+    from rollout.checkpoints import cpu_engine_refusal, is_hybrid
+    from rollout.engines.sglang_serving import cpu_model_problem, missing_cpu_flags
+    from rollout.models import HYBRID_BUILTINS
+
+    r, cluster = config.rollout, config.cluster
+    model = _model_config(config)
+    if r.engine == "sglang" and cluster.device == "cpu":
+        missing = missing_cpu_flags()
+        if missing:
+            raise _fail("rollout.engine", f"sglang on cluster.device=cpu needs a CPU with "
+                        f"AVX-512 and AMX (SGLang's CPU kernels are built for them); this one "
+                        f"lacks {', '.join(missing)}: use rollout.engine=hf")
+        problem = cpu_model_problem(model)
+        if problem:
+            raise _fail("model.path", f"{config.model.path!r}: SGLang on CPU cannot serve it: "
+                        f"{problem}; use rollout.engine=hf or cluster.device=cuda")
+    if r.engine == "hf":
+        refusal = cpu_engine_refusal(model)
+        if refusal:
+            raise ConfigError(refusal)
+    hybrid = is_hybrid(model) or (not model and config.model.path in HYBRID_BUILTINS)
+    if hybrid and not cluster.colocate and r.update_in_flight == "pause":
+        raise _fail("rollout.update_in_flight", "pause with a hybrid model (Qwen3.5): the "
+                    "engines' cached recurrent states were computed with the old weights and "
+                    "must be flushed after every update, and an engine flushes only when no "
+                    "request waits in place; set rollout.update_in_flight=abort (or "
+                    "cluster.colocate=true)")

@@ -37,10 +37,12 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from rollout.checkpoints import is_hybrid, read_config
 from rollout.engines.actor import SGLANG_CPU_LOADERS
 from rollout.engines.client import EngineError
 from rollout.engines.weights_io import (
     FLATTENED_BUCKET, MultiprocessingSerializer, SharedStaging, serialize_for_sglang)
+from rollout.models import resolve_model_path
 
 log = logging.getLogger("homegym.weights")
 
@@ -109,6 +111,11 @@ class WeightSync:
         self._group_name = ""  # the group rank 0 is in (usable or not)
         self._group_members: tuple = ()  # the engines asked to join it
         self._groups_made = 0
+        # A hybrid model's cached prefixes carry recurrent states computed with the old
+        # weights: every push flushes them (trainer/driver/preflight.py refuses the one layout
+        # where a flush cannot happen, requests waiting in place).
+        self.flush_always = is_hybrid(read_config(
+            resolve_model_path(config.model.path, config.model.cache_dir)))
 
     def plan(self, version: int, engines=None) -> PushPlan:
         cfg = self.config
@@ -116,7 +123,8 @@ class WeightSync:
             mode=self.mode, version=version, targets=tuple((engines or self.engines).targets()),
             bucket_bytes=self.bucket_bytes, dtype=cfg.rollout.dtype or cfg.model.dtype,
             device="cuda" if cfg.cluster.device == "cuda" else "cpu",
-            flush_cache=not cfg.cluster.colocate and cfg.rollout.update_in_flight == "abort",
+            flush_cache=self.flush_always or (not cfg.cluster.colocate
+                                              and cfg.rollout.update_in_flight == "abort"),
             group_name=self._group_name, disk_dir=self.disk_dir,
             # SGLang's CPU backend computes garbage after an in-place update unless its AMX
             # weights are re-packed (rollout/engines/sglang_plugins/homegym_sglang_cpu.py).

@@ -239,8 +239,8 @@ class Batcher:
         self.rows: list[Request] = []
         # A hybrid model (Gated DeltaNet layers) also keeps each row's recurrent states.
         self._hybrid = hybrid.is_hybrid(model.config)
-        if self._hybrid and not hybrid.supports(model):
-            raise ValueError(hybrid.unsupported(model))
+        if self._hybrid and hybrid.refusal(model):
+            raise ValueError(hybrid.refusal(model))
         self.kv = self._new_kv()  # the running rows' KV (self.kv.cache: views for forward())
         self.mask: Optional[torch.Tensor] = None  # [B, T] 1 = real token
         self.pos: Optional[torch.Tensor] = None  # [B] position of the next input token

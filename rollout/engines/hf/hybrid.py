@@ -20,18 +20,17 @@ trainer runs too. Results agree with transformers' forward to float rounding
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
+from rollout.checkpoints import cpu_engine_refusal
 from rollout.engines.hf.fast_kernels import gqa_attention_forward
 from rollout.engines.hf.lean import LeanForward, Packed, _unpack
 from rollout.modeling.gated_deltanet import (GDNState, empty_state, gated_deltanet,
                                              gated_deltanet_step)
-
-ARCHITECTURES = ("Qwen3_5ForCausalLM",)
-LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 def layer_types(config) -> tuple:
@@ -43,17 +42,10 @@ def is_hybrid(config) -> bool:
     return any(t != "full_attention" for t in layer_types(config))
 
 
-def supports(model) -> bool:
-    return (type(model).__name__ in ARCHITECTURES
-            and set(layer_types(model.config)) <= set(LAYER_TYPES))
-
-
-def unsupported(model) -> str:
-    """Why the engine cannot serve this hybrid model (one line naming the missing piece)."""
-    return (f"model.path: {type(model).__name__} has layer types "
-            f"{sorted(set(layer_types(model.config)))}; homegym's CPU engine keeps recurrent "
-            f"state only for {', '.join(ARCHITECTURES)} ({', '.join(LAYER_TYPES)} layers): "
-            "serve it with rollout.engine=sglang")
+def refusal(model) -> Optional[str]:
+    """Why this engine cannot serve ``model`` (a hybrid model it keeps no state for), as
+    the one-line start-up error; None when it can."""
+    return cpu_engine_refusal(model.config.to_dict())
 
 
 def _norm(norm, x: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ import orjson
 import torch
 from aiohttp import web
 
+from rollout.checkpoints import is_vlm, read_config
 from rollout.engines.hf import fast_kernels
 from rollout.engines.hf.batcher import Batcher, Request
 from rollout.engines.client import PINNED_SGLANG_VERSION, SUPPORTED_SGLANG_VERSIONS
@@ -154,7 +155,7 @@ class Server:
         self.model = AutoModelForCausalLM.from_pretrained(
             args.model_path, dtype=DTYPES[args.dtype], attn_implementation=attn)
         self.model.eval()
-        self.vlm_checkpoint = _is_vlm_checkpoint(args.model_path)
+        self.vlm_checkpoint = is_vlm(read_config(args.model_path))
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.max_context_len = int(args.max_context_len or getattr(cfg, "max_position_embeddings", 4096))
@@ -170,7 +171,7 @@ class Server:
                                    max_batch_size=args.max_running_requests,
                                    weight_version=args.weight_version,
                                    prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)))
-        except ValueError as exc:  # a model the engine cannot run (hybrid.unsupported)
+        except ValueError as exc:  # a model the engine cannot run (hybrid.refusal)
             raise StartupError(str(exc)) from None
         self.groups: dict[str, Any] = {}
         self.released_shapes: Optional[dict] = None
@@ -750,14 +751,6 @@ class Server:
 
         await self.on_scheduler(resume)
         return _json(None)
-
-
-def _is_vlm_checkpoint(path: str) -> bool:
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            return "text_config" in orjson.loads(f.read())
-    except (OSError, orjson.JSONDecodeError):
-        return False
 
 
 def parse_args(argv=None) -> argparse.Namespace:
