@@ -6,6 +6,7 @@ import functools
 import json
 import random
 
+import anthropic
 import openai
 import pytest
 
@@ -13,6 +14,7 @@ from envs import calculator
 from rollout.agent import (Call, HistoryRewriteError, ScriptedChatPolicy, SessionServer,
                            ToolCall, Trace, build_samples, format_tool_calls,
                            parse_tool_calls, run_agent)
+from rollout.agent.toolcalls import UNPARSED_NAME
 from rollout.args import RolloutArgs
 from rollout.generate import EnginePolicy, GenerateState
 from rollout.http import ABORT, close_session
@@ -139,13 +141,22 @@ def test_tool_call_parse_round_trip_keeps_the_models_json_verbatim(tok):
     rendered = tok.apply_chat_template([{"role": "user", "content": "q"}, msg],
                                        tools=[calculator.CALCULATOR_TOOL], tokenize=False)
     assert "<|im_start|>assistant\n" + two + "<|im_end|>" in rendered
-    for bad in ('<tool_call>\nnot json\n</tool_call>',
-                '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
-                '<tool_call>{"name": "f", "arguments": "x"}</tool_call>',
-                '<tool_call>{"name": "f", "arguments": {}}',  # unterminated
-                '<tool_call>{"name": "f", "arguments": {}}</tool_call> and more'):
+    # Malformed calls are not repaired: each is a call with an error, its arguments the
+    # model's raw text (what an agent's json.loads rejects), so the agent can answer it.
+    for bad, name, arguments in (
+            ('<tool_call>\nnot json\n</tool_call>', UNPARSED_NAME, "not json"),
+            ('<tool_call>{"name": 3, "arguments": {}}</tool_call>', UNPARSED_NAME,
+             '{"name": 3, "arguments": {}}'),
+            ('<tool_call>{"name": "f", "arguments": "x"}</tool_call>', "f", '"x"'),
+            ('ok <tool_call>{"name": "f", "arguments": {"a": ', "f",  # cut off
+             '{"name": "f", "arguments": {"a":')):
         p = parse_tool_calls(bad)
-        assert p.tool_calls == [] and p.content == bad and p.malformed, bad
+        assert p.malformed == 1 and len(p.tool_calls) == 1, bad
+        call = p.tool_calls[0]
+        assert (call.name, call.arguments) == (name, arguments) and call.error, bad
+        assert p.content == ("ok " if bad.startswith("ok") else None)
+    p = parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}</tool_call> and more')
+    assert p.malformed == 1 and [(c.name, c.error) for c in p.tool_calls] == [("f", None)]
     assert not parse_tool_calls("<answer>3</answer>").malformed
 
 
@@ -216,7 +227,7 @@ async def _openai_errors(tok):
     r = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=3)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
     errors = {}
-    for name, kwargs in {"n": {"n": 2}, "stream": {"stream": True},
+    for name, kwargs in {"n": {"n": 2}, "tool_choice": {"tool_choice": "required"},
                          "long": {"messages": [{"role": "user", "content": "9 " * 300}]},
                          "bad_max_tokens": {"max_tokens": 0}}.items():
         with pytest.raises(openai.BadRequestError) as e:
@@ -224,6 +235,13 @@ async def _openai_errors(tok):
                                                     **kwargs})
         errors[name] = e.value
     assert errors["long"].code == "context_length_exceeded"
+    # The other dialects' mistakes reach their own clients' exceptions.
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        await client.responses.create(model="policy", input="hi", previous_response_id="r")
+    claude = anthropic.AsyncAnthropic(base_url=str(client.base_url), api_key="x", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="role must be"):
+        await claude.messages.create(model="policy", max_tokens=4,
+                                     messages=[{"role": "system", "content": "hi"}])
     gone = openai.AsyncOpenAI(base_url=f"{server.url}/sessions/nope/v1", api_key="x",
                               max_retries=0)
     with pytest.raises(openai.NotFoundError):
@@ -232,6 +250,9 @@ async def _openai_errors(tok):
     server.close_session(session)
     with pytest.raises(openai.NotFoundError):
         await client.chat.completions.create(model="policy", messages=msgs)
+    with pytest.raises(anthropic.NotFoundError):
+        await claude.messages.create(model="policy", max_tokens=4, messages=msgs)
+    await claude.close()
     assert len(session.trace.calls) == 1  # only the one answered call was recorded
 
 
@@ -264,6 +285,141 @@ def test_aborted_request_is_a_503_and_the_episode_aborted(tok):
     samples = run(go())
     assert seen == [503]
     assert len(samples) == 1 and samples[0].status == Sample.Status.ABORTED
+
+
+# ---- the other dialects: chat streaming, Responses, Anthropic Messages ------------------
+
+def fumbling_reply(sample, messages, tools, rng):
+    """The scripted model: a malformed call first (a brace short), then, answered with the
+    tool's error, a well-formed call in compact JSON (which Anthropic's parsed ``input``
+    does not keep), then the tool's result as the answer."""
+    expression = calculator.task_of(sample)["expression"]
+    results = [m["content"] for m in messages if m["role"] == "tool"]
+    if not results:
+        return ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
+                + expression + '"}\n</tool_call>')
+    if results[-1].startswith("error"):
+        return ('<tool_call>\n{"name": "calculator", "arguments": {"expression":"'
+                + expression + '"}}\n</tool_call>')
+    return f"<answer>{results[-1]}</answer>"
+
+
+def scored(sample, text):
+    return float(calculator.extract_answer(text) == calculator.task_of(sample)["answer"])
+
+
+async def chat_stream_agent(client, sample, args):
+    """calculator.agent's loop over streamed chat completions, assembled from the chunks."""
+    messages = [{"role": "user", "content": calculator.task_of(sample)["question"]}]
+    for _ in range(4):
+        stream = await client.chat.completions.create(
+            model="policy", messages=messages, tools=[calculator.CALCULATOR_TOOL], stream=True,
+            stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        usage = chunks[-1].usage  # asked for: the last chunk, with no choices
+        assert chunks[-1].choices == [] and usage.completion_tokens > 0
+        assert all(c.usage is None for c in chunks[:-1])
+        content, calls = "", {}
+        for choice in (c for chunk in chunks for c in chunk.choices):
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": d.id, "type": "function",
+                                                  "function": {"name": "", "arguments": ""}})
+                call["function"]["name"] += d.function.name or ""
+                call["function"]["arguments"] += d.function.arguments or ""
+        if not calls:
+            return scored(sample, content)
+        messages.append({"role": "assistant", "content": content or None,
+                         "tool_calls": list(calls.values())})
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": calculator.run_tool(
+            c["function"]["name"], c["function"]["arguments"])} for c in calls.values()]
+
+
+async def responses_agent(client, sample, args):
+    """The same loop over the Responses API; every other call streamed."""
+    fn = calculator.CALCULATOR_TOOL["function"]
+    tools = [{"type": "function", "name": fn["name"], "description": fn["description"],
+              "parameters": fn["parameters"]}]
+    items = [{"role": "user", "content": calculator.task_of(sample)["question"]}]
+    for turn in range(4):
+        if turn % 2:
+            response = await client.responses.create(model="policy", input=items, tools=tools)
+        else:
+            stream = await client.responses.create(model="policy", input=items, tools=tools,
+                                                   stream=True)
+            events = [event async for event in stream]
+            assert events[0].type == "response.created"
+            assert events[-1].type == "response.completed"
+            response = events[-1].response
+        calls = [o for o in response.output if o.type == "function_call"]
+        if not calls:
+            return scored(sample, response.output_text)
+        items += [o.model_dump(exclude_none=True) for o in response.output]
+        items += [{"type": "function_call_output", "call_id": c.call_id,
+                   "output": calculator.run_tool(c.name, c.arguments)} for c in calls]
+
+
+async def messages_agent(client, sample, args):
+    """The same loop with the anthropic client (every other call streamed); a tool input
+    that is not JSON comes wrapped as {"INVALID_JSON": text}, as Anthropic wraps it."""
+    import anthropic
+
+    fn = calculator.CALCULATOR_TOOL["function"]
+    tools = [{"name": fn["name"], "description": fn["description"],
+              "input_schema": fn["parameters"]}]
+    claude = anthropic.AsyncAnthropic(base_url=str(client.base_url), api_key="unused",
+                                      max_retries=0)
+    messages = [{"role": "user", "content": calculator.task_of(sample)["question"]}]
+    try:
+        for turn in range(4):
+            request = dict(model="policy", max_tokens=64, messages=messages, tools=tools)
+            if turn % 2:
+                async with claude.messages.stream(**request) as stream:
+                    message = await stream.get_final_message()
+            else:
+                message = await claude.messages.create(**request)
+            uses = [b for b in message.content if b.type == "tool_use"]
+            if not uses:
+                return scored(sample, "".join(b.text for b in message.content))
+            assert message.stop_reason == "tool_use"
+            messages.append({"role": "assistant",
+                             "content": [b.model_dump(exclude_none=True) for b in message.content]})
+            messages.append({"role": "user", "content": [{
+                "type": "tool_result", "tool_use_id": b.id, "content": calculator.run_tool(
+                    b.name, b.input.get("INVALID_JSON") or json.dumps(b.input))} for b in uses]})
+    finally:
+        await claude.close()
+
+
+def test_every_dialect_records_the_same_token_exact_sample_malformed_call_included(tok):
+    """The real openai (chat, streamed chat, Responses) and anthropic clients drive the same
+    episode: a malformed call the agent answers with the tool's error, a corrected call,
+    the answer. Each is one token-exact sample with the malformed call counted, and all
+    four are the same tokens: the session renders each answered turn as the model wrote
+    it, whatever the dialect sent back."""
+    args = RolloutArgs(agent_config(), "http://127.0.0.1:1")
+    agents = {"chat": calculator.agent, "chat_stream": chat_stream_agent,
+              "responses": responses_agent, "messages": messages_agent}
+    out = {}
+    for name, agent in agents.items():
+        sample = task_sample()
+        rec = Recorder(ScriptedChatPolicy(fumbling_reply, sample, tok, random.Random(0)))
+        samples = run(run_agent(agent, args, sample, rec, tokenizer=tok, max_new_tokens=64,
+                                max_context_len=512))
+        assert len(samples) == 1 and samples[0].reward == 1.0, name
+        assert samples[0].metadata["agent"] == {"calls": 3, "samples": 1, "history_rewrites": 0,
+                                                "tool_calls": 1, "malformed_tool_calls": 1}, name
+        check_layout(samples, rec)
+        out[name] = samples[0]
+    first = out["chat"]
+    for name, s in out.items():
+        assert (s.tokens, s.loss_mask, s.prompt_length) == \
+            (first.tokens, first.loss_mask, first.prompt_length), name
+    text = tok.decode(first.tokens)
+    expression = calculator.task_of(first)["expression"]
+    assert f'{{"expression": "{expression}"}}\n</tool_call>' in text  # the malformed call
+    assert f'{{"expression":"{expression}"}}}}\n</tool_call>' in text  # compact, verbatim
+    assert "<tool_response>\nerror: " in text  # the tool error the agent answered with
 
 
 # ---- real engines behind the real router -----------------------------------------------

@@ -7,9 +7,12 @@
         ...
 
 ``client`` is an ``openai.AsyncOpenAI`` whose base URL is this episode's session
-(rollout/agent/session.py) in front of the engines. Every chat-completion call is recorded
-token-exactly and the episode becomes one or more samples (rollout/agent/trace.py). The
-agent returns the episode's reward, or None to leave it to rollout.custom_rm_function.
+(rollout/agent/session.py) in front of the engines. The session also speaks streamed chat
+completions, OpenAI's Responses API and Anthropic's Messages API
+(``anthropic.AsyncAnthropic(base_url=str(client.base_url), ...)``), each converted to the
+chat completion it renders (rollout/agent/dialects/). Every call is recorded token-exactly
+and the episode becomes one or more samples (rollout/agent/trace.py). The agent returns
+the episode's reward, or None to leave it to rollout.custom_rm_function.
 
 Behaves as the other generate paths: the run's sampling params and evaluation seeds,
 rollout.sample_timeout_s (the episode is cancelled), the step's abort (the session answers

@@ -13,8 +13,12 @@ when the agent sends the message back, the template reproduces the model's own t
 the next call's prompt extends this call's (one training sample, not a history rewrite).
 
 Strict by design: a block that is not a JSON object with a string ``name`` and an object
-``arguments`` is not a tool call; the whole text then stays content, and the caller counts
-it as malformed (a policy being trained should see its broken calls fail, not be repaired).
+``arguments`` is not repaired (a policy being trained should see its broken calls fail). It
+becomes a call with ``error`` set, as OpenAI's API hands back arguments that do not parse:
+the name the model wrote (``UNPARSED_NAME`` when there is none) and, as ``arguments``, its
+raw text, so the agent answers it with a tool error the model then sees. An unclosed block
+(cut off by the token budget) is such a call too; text after the last call is dropped from
+the message, as vLLM's parser does, and counted as malformed.
 """
 
 from __future__ import annotations
@@ -23,10 +27,14 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _ARGS_KEY = re.compile(r'"arguments"\s*:\s*')
+_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# The name of a malformed call whose name cannot be read: the agent answers "unknown tool".
+UNPARSED_NAME = "invalid_tool_call"
 
 
 @dataclass
@@ -34,6 +42,7 @@ class ToolCall:
     name: str
     arguments: str  # the model's JSON text of the arguments object, verbatim
     id: str = ""
+    error: Optional[str] = None  # why the model's block is not a valid call; None: valid
 
     def to_openai(self) -> dict:
         return {"id": self.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
@@ -43,50 +52,76 @@ class ToolCall:
 @dataclass
 class Parsed:
     content: Optional[str]
-    tool_calls: list[ToolCall]
-    malformed: bool = False  # a <tool_call> block that is not a valid call
+    tool_calls: list[ToolCall]  # valid and malformed (``error`` set) calls, in order
+    stray_text: bool = False  # text after the last call (dropped from the message)
+
+    @property
+    def malformed(self) -> int:
+        """Malformed calls, text after the calls counting as one."""
+        return sum(c.error is not None for c in self.tool_calls) + self.stray_text
 
 
-def _one_call(block: str) -> Optional[ToolCall]:
+def _raw_value(block: str, key_match: Optional[re.Match], value: Any) -> Optional[str]:
+    """The model's own text of the JSON value after ``"arguments":``, if it is ``value``."""
+    if key_match is None:
+        return None
     try:
-        obj = json.loads(block)
+        parsed, end = json.JSONDecoder().raw_decode(block, key_match.end())
     except ValueError:
         return None
-    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"]
-            and isinstance(obj.get("arguments"), dict)):
-        return None
-    match = _ARGS_KEY.search(block)
-    raw = None
-    if match is not None:
+    return block[key_match.end():end] if parsed == value else None
+
+
+def _malformed(block: str, error: str) -> ToolCall:
+    name = ""
+    found = _NAME.search(block)
+    if found is not None:
         try:
-            value, end = json.JSONDecoder().raw_decode(block, match.end())
-            if value == obj["arguments"]:
-                raw = block[match.end():end]
+            name = json.loads(f'"{found.group(1)}"')
         except ValueError:
             pass
+    return ToolCall(name=name or UNPARSED_NAME, arguments=block, error=error)
+
+
+def _one_call(block: str) -> ToolCall:
+    try:
+        obj = json.loads(block)
+    except ValueError as e:
+        return _malformed(block, f"the tool call is not valid JSON: {e}")
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"]):
+        return _malformed(block, 'the tool call is not a JSON object with a string "name"')
+    match = _ARGS_KEY.search(block)
+    if not isinstance(obj.get("arguments"), dict):
+        raw = _raw_value(block, match, obj.get("arguments")) if "arguments" in obj else ""
+        return ToolCall(name=obj["name"], error='"arguments" is not a JSON object',
+                        arguments=raw if raw is not None else json.dumps(obj["arguments"]))
+    raw = _raw_value(block, match, obj["arguments"])
     if raw is None:  # e.g. a duplicated key: fall back to the parsed value
         raw = json.dumps(obj["arguments"], ensure_ascii=False)
     return ToolCall(name=obj["name"], arguments=raw)
 
 
-def parse_tool_calls(text: str) -> Parsed:
-    """Split model text into content and tool calls (all-or-nothing per message)."""
-    blocks = list(_BLOCK.finditer(text))
-    if not blocks:
-        malformed = "<tool_call>" in text
-        return Parsed(content=text, tool_calls=[], malformed=malformed)
-    calls = [_one_call(m.group(1)) for m in blocks]
-    if any(c is None for c in calls):
-        return Parsed(content=text, tool_calls=[], malformed=True)
+def _content(text: str) -> Optional[str]:
     # Qwen3's template writes "content\n<tool_call>...": content is the text before the
     # first call, without that separating newline.
-    content = text[:blocks[0].start()]
-    if content.endswith("\n"):
-        content = content[:-1]
-    trailing = text[blocks[-1].end():].strip()
-    if trailing:  # text after the calls has no place in an OpenAI message
-        return Parsed(content=text, tool_calls=[], malformed=True)
-    return Parsed(content=content or None, tool_calls=calls)
+    return (text[:-1] if text.endswith("\n") else text) or None
+
+
+def parse_tool_calls(text: str) -> Parsed:
+    """Split model text into content and tool calls (malformed ones with ``error`` set)."""
+    blocks = list(_BLOCK.finditer(text))
+    tail_from = blocks[-1].end() if blocks else 0
+    unclosed = text.find(OPEN, tail_from)
+    if not blocks and unclosed < 0:
+        return Parsed(content=text, tool_calls=[])
+    calls = [_one_call(m.group(1)) for m in blocks]
+    trailing = text[tail_from:unclosed if unclosed >= 0 else len(text)]
+    if unclosed >= 0:
+        calls.append(_malformed(text[unclosed + len(OPEN):].strip(),
+                                f"the {OPEN} block is not closed with {CLOSE}"))
+    first = blocks[0].start() if blocks else unclosed
+    return Parsed(content=_content(text[:first]), tool_calls=calls,
+                  stray_text=bool(blocks) and bool(trailing.strip()))
 
 
 def format_tool_calls(calls: list[ToolCall], content: Optional[str] = None) -> str:

@@ -34,7 +34,7 @@ class Call:
     finish: str  # the engine's finish type: stop | length | abort
     weight_version: Optional[int] = None
     tool_calls: int = 0
-    malformed_tool_call: bool = False
+    malformed_tool_calls: int = 0  # malformed calls in the output (toolcalls.Parsed)
 
 
 @dataclass
@@ -85,7 +85,7 @@ def build_samples(trace: Trace, sample: Sample, *, policy: str = "split") -> lis
     info = {"calls": len(trace.calls), "samples": len(samples),
             "history_rewrites": len(samples) - 1,
             "tool_calls": sum(c.tool_calls for c in trace.calls),
-            "malformed_tool_calls": sum(c.malformed_tool_call for c in trace.calls)}
+            "malformed_tool_calls": sum(c.malformed_tool_calls for c in trace.calls)}
     for k, s in enumerate(samples):
         s.metadata = dict(s.metadata)
         s.metadata["agent"] = dict(info)
