@@ -5,8 +5,10 @@ import asyncio
 import functools
 import json
 import random
+import re
 
 import anthropic
+import dialect_agents
 import openai
 import pytest
 
@@ -289,106 +291,37 @@ def test_aborted_request_is_a_503_and_the_episode_aborted(tok):
 
 # ---- the other dialects: chat streaming, Responses, Anthropic Messages ------------------
 
-def fumbling_reply(sample, messages, tools, rng):
+QUESTION = re.compile(r"What is (\d+ [-+*] \d+)\?")
+
+
+def fumbling_reply(sample, messages, tools, rng, fumble=True):
     """The scripted model: a malformed call first (a brace short), then, answered with the
     tool's error, a well-formed call in compact JSON (which Anthropic's parsed ``input``
-    does not keep), then the tool's result as the answer."""
-    expression = calculator.task_of(sample)["expression"]
+    does not keep), then the tool's result as the answer. Without ``fumble``: the call in
+    the template's own JSON straight away."""
+    question = next(m["content"] for m in messages if m["role"] == "user")
+    arguments = {"expression": QUESTION.search(question).group(1)}
     results = [m["content"] for m in messages if m["role"] == "tool"]
+    if results and not results[-1].startswith("error"):
+        return f"<answer>{results[-1]}</answer>"
+    if not fumble:
+        return format_tool_calls([ToolCall("calculator", json.dumps(arguments))])
     if not results:
-        return ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
-                + expression + '"}\n</tool_call>')
-    if results[-1].startswith("error"):
-        return ('<tool_call>\n{"name": "calculator", "arguments": {"expression":"'
-                + expression + '"}}\n</tool_call>')
-    return f"<answer>{results[-1]}</answer>"
+        return ('<tool_call>\n{"name": "calculator", "arguments": '
+                + json.dumps(arguments) + '\n</tool_call>')
+    return format_tool_calls([ToolCall("calculator", json.dumps(arguments, separators=(",", ":")))])
 
 
 def scored(sample, text):
     return float(calculator.extract_answer(text) == calculator.task_of(sample)["answer"])
 
 
-async def chat_stream_agent(client, sample, args):
-    """calculator.agent's loop over streamed chat completions, assembled from the chunks."""
-    messages = [{"role": "user", "content": calculator.task_of(sample)["question"]}]
-    for _ in range(4):
-        stream = await client.chat.completions.create(
-            model="policy", messages=messages, tools=[calculator.CALCULATOR_TOOL], stream=True,
-            stream_options={"include_usage": True})
-        chunks = [chunk async for chunk in stream]
-        usage = chunks[-1].usage  # asked for: the last chunk, with no choices
-        assert chunks[-1].choices == [] and usage.completion_tokens > 0
-        assert all(c.usage is None for c in chunks[:-1])
-        content, calls = "", {}
-        for choice in (c for chunk in chunks for c in chunk.choices):
-            content += choice.delta.content or ""
-            for d in choice.delta.tool_calls or []:
-                call = calls.setdefault(d.index, {"id": d.id, "type": "function",
-                                                  "function": {"name": "", "arguments": ""}})
-                call["function"]["name"] += d.function.name or ""
-                call["function"]["arguments"] += d.function.arguments or ""
-        if not calls:
-            return scored(sample, content)
-        messages.append({"role": "assistant", "content": content or None,
-                         "tool_calls": list(calls.values())})
-        messages += [{"role": "tool", "tool_call_id": c["id"], "content": calculator.run_tool(
-            c["function"]["name"], c["function"]["arguments"])} for c in calls.values()]
-
-
-async def responses_agent(client, sample, args):
-    """The same loop over the Responses API; every other call streamed."""
-    fn = calculator.CALCULATOR_TOOL["function"]
-    tools = [{"type": "function", "name": fn["name"], "description": fn["description"],
-              "parameters": fn["parameters"]}]
-    items = [{"role": "user", "content": calculator.task_of(sample)["question"]}]
-    for turn in range(4):
-        if turn % 2:
-            response = await client.responses.create(model="policy", input=items, tools=tools)
-        else:
-            stream = await client.responses.create(model="policy", input=items, tools=tools,
-                                                   stream=True)
-            events = [event async for event in stream]
-            assert events[0].type == "response.created"
-            assert events[-1].type == "response.completed"
-            response = events[-1].response
-        calls = [o for o in response.output if o.type == "function_call"]
-        if not calls:
-            return scored(sample, response.output_text)
-        items += [o.model_dump(exclude_none=True) for o in response.output]
-        items += [{"type": "function_call_output", "call_id": c.call_id,
-                   "output": calculator.run_tool(c.name, c.arguments)} for c in calls]
-
-
-async def messages_agent(client, sample, args):
-    """The same loop with the anthropic client (every other call streamed); a tool input
-    that is not JSON comes wrapped as {"INVALID_JSON": text}, as Anthropic wraps it."""
-    import anthropic
-
-    fn = calculator.CALCULATOR_TOOL["function"]
-    tools = [{"name": fn["name"], "description": fn["description"],
-              "input_schema": fn["parameters"]}]
-    claude = anthropic.AsyncAnthropic(base_url=str(client.base_url), api_key="unused",
-                                      max_retries=0)
-    messages = [{"role": "user", "content": calculator.task_of(sample)["question"]}]
-    try:
-        for turn in range(4):
-            request = dict(model="policy", max_tokens=64, messages=messages, tools=tools)
-            if turn % 2:
-                async with claude.messages.stream(**request) as stream:
-                    message = await stream.get_final_message()
-            else:
-                message = await claude.messages.create(**request)
-            uses = [b for b in message.content if b.type == "tool_use"]
-            if not uses:
-                return scored(sample, "".join(b.text for b in message.content))
-            assert message.stop_reason == "tool_use"
-            messages.append({"role": "assistant",
-                             "content": [b.model_dump(exclude_none=True) for b in message.content]})
-            messages.append({"role": "user", "content": [{
-                "type": "tool_result", "tool_use_id": b.id, "content": calculator.run_tool(
-                    b.name, b.input.get("INVALID_JSON") or json.dumps(b.input))} for b in uses]})
-    finally:
-        await claude.close()
+def dialect_agent(loop):
+    """A homegym agent running ``loop`` (tests/dialect_agents.py) on the episode's session."""
+    async def agent(client, sample, args):
+        question = calculator.task_of(sample)["question"]
+        return scored(sample, await loop(str(client.base_url), "unused", "policy", question))
+    return agent
 
 
 def test_every_dialect_records_the_same_token_exact_sample_malformed_call_included(tok):
@@ -398,8 +331,8 @@ def test_every_dialect_records_the_same_token_exact_sample_malformed_call_includ
     four are the same tokens: the session renders each answered turn as the model wrote
     it, whatever the dialect sent back."""
     args = RolloutArgs(agent_config(), "http://127.0.0.1:1")
-    agents = {"chat": calculator.agent, "chat_stream": chat_stream_agent,
-              "responses": responses_agent, "messages": messages_agent}
+    agents = {"chat": calculator.agent,
+              **{name: dialect_agent(loop) for name, loop in dialect_agents.LOOPS.items()}}
     out = {}
     for name, agent in agents.items():
         sample = task_sample()
@@ -420,6 +353,57 @@ def test_every_dialect_records_the_same_token_exact_sample_malformed_call_includ
     assert f'{{"expression": "{expression}"}}\n</tool_call>' in text  # the malformed call
     assert f'{{"expression":"{expression}"}}}}\n</tool_call>' in text  # compact, verbatim
     assert "<tool_response>\nerror: " in text  # the tool error the agent answered with
+
+
+class PromptReadingPolicy(ScriptedChatPolicy):
+    """The scripted player on the token route, which carries no messages: it reads the
+    question and the tool results from the decoded prompt."""
+
+    async def act(self, token_ids, max_new_tokens):
+        text = self.tokenizer.decode(token_ids)
+        results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text)
+        self.observe_request([{"role": "user", "content": text}]
+                             + [{"role": "tool", "content": r} for r in results], None)
+        return await super().act(token_ids, max_new_tokens)
+
+
+def test_verifiers_taskset_runs_through_the_session(tok):
+    """A verifiers environment written with verifiers' own classes (tests/vf_calculator.py:
+    Taskset, Task with a @vf.reward, a Harness) is the rollout through
+    rollout.agent.verifiers_env: its harness's streamed chat (usage asked for), Responses
+    and Anthropic Messages calls relayed by verifiers' interception server and eval client
+    to the session, and verifiers' token-level train client posting token ids to the
+    session's /inference/v1/generate. Each episode is one token-exact sample with the
+    taskset's reward; the relayed dialects record the same tokens."""
+    from rollout.agent import verifiers_env
+
+    renderer = {"name": "default", "tool_parser": "qwen3"}  # tiny-qwen3-tools' format
+    runs = {**{d: {"harness": {"id": "vf_calculator", "dialect": d}}
+               for d in dialect_agents.LOOPS},
+            "train": {"client": "train", "renderer": renderer}}
+    out = {}
+    for name, options in runs.items():
+        cfg = agent_config(extra_config={"verifiers": {"taskset": "vf_calculator", **options}})
+        args = RolloutArgs(cfg, "http://127.0.0.1:1")
+        sample = Sample(prompt="", tokens=[1], label=json.dumps({"idx": 2}), index=0,
+                        group_index=0)
+        # verifiers' renderer parses tool calls itself, and its bridge to the next turn
+        # re-renders them in the template's JSON: it gets the template's call only.
+        player = PromptReadingPolicy if name == "train" else ScriptedChatPolicy
+        reply = functools.partial(fumbling_reply, fumble=name != "train")
+        rec = Recorder(player(reply, sample, tok, random.Random(0)))
+        samples = run(run_agent(verifiers_env.agent, args, sample, rec, tokenizer=tok,
+                                max_new_tokens=64, max_context_len=512))
+        assert len(samples) == 1 and samples[0].reward == 1.0, name
+        check_layout(samples, rec)
+        info = samples[0].metadata["agent"]
+        assert info["samples"] == 1 and info["calls"] == (2 if name == "train" else 3), name
+        out[name] = samples[0]
+    task = json.loads(calculator.CalculatorEnv.dataset("eval", size=3)[2]["label"])
+    assert task["question"] in tok.decode(out["train"].tokens)  # the label's task was played
+    for name in dialect_agents.LOOPS:
+        assert out[name].metadata["agent"]["malformed_tool_calls"] == 1
+        assert out[name].tokens == out["chat_stream"].tokens, name
 
 
 # ---- real engines behind the real router -----------------------------------------------

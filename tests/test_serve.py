@@ -92,6 +92,42 @@ def test_bad_requests_are_4xx(endpoint):
     assert err.value.status == 400
 
 
+def test_chat_streams_and_speaks_responses_and_anthropic_messages(endpoint):
+    """The real openai and anthropic clients against the endpoint: streamed chat with the
+    usage in the last chunk, the Responses API (streamed and not) and Anthropic's Messages
+    (its x-api-key), greedy: every dialect answers the same text for the same turn (tool
+    calls go through the session's code, tested in test_rollout_agent)."""
+    import anthropic
+    import openai
+
+    endpoint.wait_until_ready(timeout=60)
+    client = openai.OpenAI(base_url=endpoint.url + "/v1", api_key=KEY, max_retries=0)
+    hi = [{"role": "user", "content": "You are playing a number guessing game."}]
+    greedy = {"temperature": 0, "model": "m"}
+    plain = client.chat.completions.create(messages=hi, max_tokens=5, **greedy)
+    chunks = list(client.chat.completions.create(
+        messages=hi, max_tokens=5, stream=True, stream_options={"include_usage": True},
+        **greedy))
+    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == \
+        plain.choices[0].message.content
+    assert chunks[-2].choices[0].finish_reason == plain.choices[0].finish_reason
+    response = client.responses.create(input=hi[0]["content"], max_output_tokens=5, **greedy)
+    assert response.output_text == plain.choices[0].message.content
+    events = list(client.responses.create(input=hi[0]["content"], max_output_tokens=5,
+                                          stream=True, **greedy))
+    assert events[-1].response.output_text == response.output_text
+    claude = anthropic.Anthropic(base_url=endpoint.url, api_key=KEY, max_retries=0)
+    greedy = {"extra_body": {"temperature": 0}, "model": "m"}  # anthropic 2: no temperature=
+    message = claude.messages.create(messages=hi, max_tokens=5, **greedy)
+    assert message.content[0].text == plain.choices[0].message.content
+    with claude.messages.stream(messages=hi, max_tokens=5, **greedy) as stream:
+        assert stream.get_final_message().content[0].text == message.content[0].text
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=endpoint.url, api_key="wrong", max_retries=0) \
+            .messages.create(messages=hi, max_tokens=5, **greedy)
+
+
 def test_key_never_in_repr_and_generated_key_printed_once(endpoint, capsys, monkeypatch):
     assert KEY not in repr(endpoint) and "auth=on" in repr(endpoint)
     monkeypatch.delenv("HOMEGYM_API_KEY", raising=False)

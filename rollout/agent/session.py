@@ -188,7 +188,7 @@ class Session:
         for key, bad in _UNSUPPORTED.items():
             if bad(body.get(key)):
                 raise RequestError(400, f"{key}={body.get(key)!r} is not supported by "
-                                   "homegym's rollout sessions", "unsupported_parameter")
+                                   "homegym's chat sessions", "unsupported_parameter")
         budget = self._budget({k: body.get(k) for k in ("max_completion_tokens", "max_tokens")})
         try:
             prompt_ids = self.render(messages, tools)
@@ -201,9 +201,9 @@ class Session:
             output_ids, _, finish = output
             text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
             parsed = parse_tool_calls(text) if tools else None
-            calls = [c.to_openai() for c in parsed.tool_calls] if parsed else []
-            self._record(prompt_ids, output,
-                         tool_calls=sum(c.error is None for c in parsed.tool_calls) if parsed else 0,
+            found = parsed.tool_calls if parsed else []
+            calls = [c.to_openai() for c in found]
+            self._record(prompt_ids, output, tool_calls=sum(c.error is None for c in found),
                          malformed=parsed.malformed if parsed else 0)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         reason = "length" if finish == "length" else "stop"
@@ -337,7 +337,7 @@ class SessionServer:
         session = self.sessions.get(request.match_info["sid"])
         if session is None:
             return error_response(dialect, _gone())
-        return await respond(request, dialect, session.complete)
+        return await respond(request, dialect=dialect, complete=session.complete)
 
     async def _generate(self, request: web.Request) -> web.Response:
         session = self.sessions.get(request.match_info["sid"])

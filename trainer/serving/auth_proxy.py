@@ -3,8 +3,11 @@
 The sglang-router's ``--api-key`` only authenticates the router TO its workers; it does not
 check clients. So homegym puts a small authenticating proxy (aiohttp) at the public entry:
 the engines and the router bind ``cluster.host`` (loopback by default) and only the proxy
-listens on ``host``. The proxy requires ``Authorization: Bearer <key>`` (constant-time
-compare) on every route except ``GET /health`` and forwards only ``/v1/chat/completions``,
+listens on ``host``. The proxy requires the key (``Authorization: Bearer <key>``, or
+Anthropic's ``x-api-key: <key>``; constant-time compare) on every route except
+``GET /health``. It answers ``/v1/chat/completions`` (``stream`` too), ``/v1/responses``
+and ``/v1/messages`` itself, rendering and parsing as the agent session does
+(rollout/agent/serving.py) over the router's ``/generate``; it forwards only
 ``/v1/completions`` and ``/generate`` (no admin routes such as weight updates);
 ``GET /v1/models`` is answered by the proxy. The key comes from
 ``Endpoint.launch(api_key=...)`` or ``$HOMEGYM_API_KEY``; otherwise one is generated and
@@ -14,6 +17,7 @@ printed once. It is never logged anywhere else.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import os
@@ -21,7 +25,12 @@ import secrets
 import threading
 from typing import Optional
 
-FORWARDED = ("/v1/chat/completions", "/v1/completions", "/generate")
+from rollout.agent.dialects import ROUTES as DIALECT_ROUTES
+from rollout.agent.dialects import respond
+from rollout.agent.serving import ChatService
+from rollout.http import close_session
+
+FORWARDED = ("/v1/completions", "/generate")
 OPEN = ("/health",)
 
 
@@ -41,8 +50,8 @@ class AuthProxy:
     """The public entry: checks the API key, forwards an allow-list of routes to the router."""
 
     def __init__(self, router_url: str, api_key: Optional[str], host: str, port: int,
-                 model_name: str) -> None:
-        self.router_url, self.api_key = router_url, api_key
+                 model_name: str, chat: ChatService) -> None:
+        self.router_url, self.api_key, self.chat = router_url, api_key, chat
         self.host, self.port, self.model_name = host, port, model_name
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.runner = None
@@ -86,6 +95,9 @@ class AuthProxy:
         app.router.add_get("/v1/models", self._models)
         for route in FORWARDED:
             app.router.add_post(route, self._forward)
+        for route, dialect in DIALECT_ROUTES.items():
+            app.router.add_post(route, functools.partial(respond, dialect=dialect,
+                                                         complete=self.chat.complete))
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         self.runner = web.AppRunner(app, access_log=None)  # no request logs: no headers leak
         await self.runner.setup()
@@ -105,10 +117,13 @@ class AuthProxy:
 
         if self.api_key and request.path not in OPEN:
             given = request.headers.get("Authorization", "")
-            expected = f"Bearer {self.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
+            bearer = hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+            # The anthropic client sends its api_key as x-api-key.
+            anthropic = hmac.compare_digest(request.headers.get("x-api-key", "").encode(),
+                                            self.api_key.encode())
+            if not (bearer or anthropic):
                 return self._reply("missing or invalid API key: send 'Authorization: Bearer "
-                                   "<key>'", 401, "authentication_error")
+                                   "<key>' (or 'x-api-key: <key>')", 401, "authentication_error")
         try:
             return await handler(request)
         except web.HTTPException as exc:
@@ -145,8 +160,6 @@ class AuthProxy:
             return self._reply("request body is not valid JSON", 400)
         if not isinstance(body, dict):
             return self._reply("request body must be a JSON object", 400)
-        if request.path == "/v1/chat/completions" and not isinstance(body.get("messages"), list):
-            return self._reply("'messages' must be a list of {role, content} objects", 400)
         try:
             upstream = await self.session.post(self.router_url + request.path, data=raw,
                                                headers={"Content-Type": "application/json"})
@@ -176,6 +189,7 @@ class AuthProxy:
                 await self.runner.cleanup()
             if self.session is not None:
                 await self.session.close()
+            await close_session()  # the chat service's requests to the router
 
         try:
             asyncio.run_coroutine_threadsafe(_close(), self.loop).result(10)

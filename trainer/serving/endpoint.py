@@ -82,6 +82,8 @@ class Endpoint:
         fresh processes. ``recipe`` (an api.Recipe) picks the engine settings (GPU recipes
         use SGLang). Ray: the current cluster, else a local one that stays up for the rest
         of the process (so training and further endpoints reuse it) unless ``own_ray``."""
+        from rollout.agent.serving import ChatService
+        from rollout.chat import load_tokenizer
         from rollout.engines.group import EngineGroup
         from config import compose_config
         from trainer.driver.runtime import connect_ray
@@ -98,7 +100,9 @@ class Endpoint:
         started_ray = connect_ray(config) and own_ray
         engines = EngineGroup(config)
         model_name = str(checkpoint) if checkpoint is not None else config.model.path
-        proxy = AuthProxy(engines.router_url, key, host, port, model_name)
+        chat = ChatService(engines.router_url, load_tokenizer(engines.model_path),
+                           config.model.max_context_len)
+        proxy = AuthProxy(engines.router_url, key, host, port, model_name, chat)
         try:
             proxy.start()
         except BaseException:

@@ -46,7 +46,7 @@ async def read_body(request: web.Request) -> dict:
     return body
 
 
-async def respond(request: web.Request, dialect: ModuleType,
+async def respond(request: web.Request, *, dialect: ModuleType,
                   complete: Callable[[dict], Awaitable[dict]]) -> web.StreamResponse:
     """Serve ``request`` in ``dialect``; ``complete(chat_body) -> chat.completion`` answers
     the converted request (raising ``RequestError`` for the client's mistakes)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 class RequestError(Exception):
@@ -18,6 +18,15 @@ class RequestError(Exception):
 
 def bad_request(message: str, code: str = "invalid_request") -> RequestError:
     return RequestError(400, message, code)
+
+
+# Request keys every dialect hands on unchanged: the sampling trainer.serve applies (a
+# rollout's session samples with the run's own) and the template's keyword arguments.
+PASSED_ON = ("model", "temperature", "top_p", "top_k", "seed", "chat_template_kwargs")
+
+
+def passed_on(body: dict) -> dict:
+    return {key: body[key] for key in PASSED_ON if body.get(key) is not None}
 
 
 def sse(data: dict, event: Optional[str] = None) -> bytes:
@@ -47,6 +56,27 @@ def text_of(content: Any, where: str, part_types: tuple[str, ...] = ("text",)) -
         return "\n".join(texts)  # as vLLM joins text parts
     raise bad_request(f"{where}: content must be a string or a list of text parts",
                       "invalid_content")
+
+
+def chat_tools(tools: Any, *, accepts: Callable[[dict], bool], schema_key: str,
+               what: str) -> Optional[list]:
+    """A dialect's tool declarations as chat tools, in OpenAI's key order (the template
+    writes them as given)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be a list", "invalid_tools")
+    out = []
+    for k, tool in enumerate(tools):
+        if not (isinstance(tool, dict) and tool.get("name") and accepts(tool)):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise bad_request(f"tools[{k}]: only {what} are supported (got type {kind!r})",
+                              "unsupported_tool")
+        function = {"name": tool["name"], "description": tool.get("description"),
+                    "parameters": tool.get(schema_key), "strict": tool.get("strict")}
+        out.append({"type": "function",
+                    "function": {key: v for key, v in function.items() if v is not None}})
+    return out
 
 
 def completion_parts(completion: dict) -> tuple[dict, str, dict]:

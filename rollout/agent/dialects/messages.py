@@ -18,10 +18,10 @@ turn renders as the model wrote it. Streamed as Anthropic's events, ``message_st
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
-from rollout.agent.dialects.base import (RequestError, bad_request, completion_parts,
-                                         new_id, sse, text_of)
+from rollout.agent.dialects.base import (RequestError, bad_request, chat_tools,
+                                         completion_parts, new_id, passed_on, sse, text_of)
 
 # The anthropic client appends /v1/messages to its base URL: the session's own base URL
 # (which ends in /v1) and its root both work.
@@ -91,25 +91,6 @@ def _assistant(content: Any, where: str) -> dict:
     return message
 
 
-def _tools(tools: Any) -> Optional[list]:
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise bad_request("'tools' must be a list", "invalid_tools")
-    out = []
-    for k, tool in enumerate(tools):
-        if not isinstance(tool, dict) or not tool.get("name") or \
-                tool.get("type") not in (None, "custom"):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise bad_request(f"tools[{k}]: only client tools with a name and an input_schema "
-                              f"are supported (got type {kind!r})", "unsupported_tool")
-        function = {"name": tool["name"], "description": tool.get("description"),
-                    "parameters": tool.get("input_schema") or {}}  # OpenAI's key order
-        out.append({"type": "function",
-                    "function": {k: v for k, v in function.items() if v is not None}})
-    return out
-
-
 def _tool_choice(choice: Any) -> Any:
     if not isinstance(choice, dict):
         return choice
@@ -137,9 +118,12 @@ def to_chat(body: dict) -> dict:
         else:
             raise bad_request(f"messages[{k}]: role must be 'user' or 'assistant' (the system "
                               "prompt goes in 'system')", "invalid_messages")
-    chat: dict[str, Any] = {"model": body.get("model"), "messages": messages,
+    chat: dict[str, Any] = {**passed_on(body), "messages": messages,
                             "max_tokens": body["max_tokens"]}
-    tools = _tools(body.get("tools"))
+    if body.get("stop_sequences"):
+        chat["stop"] = body["stop_sequences"]
+    tools = chat_tools(body.get("tools"), accepts=lambda t: t.get("type") in (None, "custom"),
+                       schema_key="input_schema", what="client tools (name, input_schema)")
     if tools:
         chat["tools"] = tools
     if body.get("tool_choice") is not None:

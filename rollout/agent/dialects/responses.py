@@ -19,29 +19,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rollout.agent.dialects.base import (bad_request, completion_parts, new_id,
-                                         openai_error_body, sse, text_of)
+from rollout.agent.dialects.base import (bad_request, chat_tools, completion_parts, new_id,
+                                         openai_error_body, passed_on, sse, text_of)
 
 ROUTES = ("/v1/responses",)
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
-
-
-def _tools(tools: Any) -> Optional[list]:
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise bad_request("'tools' must be a list", "invalid_tools")
-    out = []
-    for k, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not tool.get("name"):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise bad_request(f"tools[{k}]: only function tools are supported (got type "
-                              f"{kind!r})", "unsupported_tool")
-        function = {key: tool[key] for key in ("name", "description", "parameters", "strict")
-                    if tool.get(key) is not None}
-        out.append({"type": "function", "function": function})
-    return out
 
 
 def to_chat(body: dict) -> dict:
@@ -91,8 +74,9 @@ def to_chat(body: dict) -> dict:
     for m in messages:
         if m["role"] == "assistant" and not m["content"] and m.get("tool_calls"):
             m["content"] = None
-    chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
-    tools = _tools(body.get("tools"))
+    chat: dict[str, Any] = {**passed_on(body), "messages": messages}
+    tools = chat_tools(body.get("tools"), accepts=lambda t: t.get("type") == "function",
+                       schema_key="parameters", what="function tools")
     if tools:
         chat["tools"] = tools
     if body.get("max_output_tokens") is not None:
