@@ -1,4 +1,5 @@
-"""Serve a model or a checkpoint with an OpenAI-compatible ``/v1/chat/completions``.
+"""Serve a model or a checkpoint with an OpenAI-compatible ``/v1/chat/completions``
+(streamed too), OpenAI's ``/v1/responses`` and Anthropic's ``/v1/messages``.
 
     python -m trainer.serve checkpoint=outputs/<run>/checkpoints/latest
     python -m trainer.serve model.path=/models/Qwen3-4B +recipe=qwen_4b port=8000 host=0.0.0.0
@@ -10,10 +11,11 @@ port), ``unauthenticated`` (default false). Everything else is a Hydra override 
 training config (``rollout.num_engines=1``, ``+recipe=...``): the engines are the same ones
 training uses (hf on CPU, SGLang on GPU), behind the real sglang-router.
 
-Authentication: every route but ``GET /health`` needs ``Authorization: Bearer <key>``; the
-key is ``$HOMEGYM_API_KEY``, else one is generated and printed once. Only the
-authenticating proxy (trainer/serving/auth_proxy.py) listens on ``host``; the engines and the
-router stay on ``cluster.host`` (loopback by default).
+Authentication: every route but ``GET /health`` needs ``Authorization: Bearer <key>`` (or
+``x-api-key: <key>``, as the anthropic client sends it); the key is ``$HOMEGYM_API_KEY``,
+else one is generated and printed once. Only the authenticating proxy
+(trainer/serving/auth_proxy.py) listens on ``host``; the engines and the router stay on
+``cluster.host`` (loopback by default).
 """
 
 from __future__ import annotations
