@@ -324,21 +324,22 @@ def dialect_agent(loop):
     return agent
 
 
-def test_every_dialect_records_the_same_token_exact_sample_malformed_call_included(tok):
-    """The real openai (chat, streamed chat, Responses) and anthropic clients drive the same
-    episode: a malformed call the agent answers with the tool's error, a corrected call,
-    the answer. Each is one token-exact sample with the malformed call counted, and all
-    four are the same tokens: the session renders each answered turn as the model wrote
-    it, whatever the dialect sent back."""
+def same_episode_in_every_dialect(tok, reply, max_new_tokens=64, max_context_len=512,
+                                  **run_kwargs):
+    """The calculator episode ``reply`` scripts (a malformed call, a corrected call, the
+    answer), driven by the real openai (chat, streamed chat, Responses) and anthropic
+    clients: each must be one token-exact sample, reward 1, the malformed call counted,
+    and all the same tokens. Returns the chat client's sample."""
     args = RolloutArgs(agent_config(), "http://127.0.0.1:1")
     agents = {"chat": calculator.agent,
               **{name: dialect_agent(loop) for name, loop in dialect_agents.LOOPS.items()}}
     out = {}
     for name, agent in agents.items():
         sample = task_sample()
-        rec = Recorder(ScriptedChatPolicy(fumbling_reply, sample, tok, random.Random(0)))
-        samples = run(run_agent(agent, args, sample, rec, tokenizer=tok, max_new_tokens=64,
-                                max_context_len=512))
+        rec = Recorder(ScriptedChatPolicy(reply, sample, tok, random.Random(0)))
+        samples = run(run_agent(agent, args, sample, rec, tokenizer=tok,
+                                max_new_tokens=max_new_tokens, max_context_len=max_context_len,
+                                **run_kwargs))
         assert len(samples) == 1 and samples[0].reward == 1.0, name
         assert samples[0].metadata["agent"] == {"calls": 3, "samples": 1, "history_rewrites": 0,
                                                 "tool_calls": 1, "malformed_tool_calls": 1}, name
@@ -348,6 +349,16 @@ def test_every_dialect_records_the_same_token_exact_sample_malformed_call_includ
     for name, s in out.items():
         assert (s.tokens, s.loss_mask, s.prompt_length) == \
             (first.tokens, first.loss_mask, first.prompt_length), name
+    return first
+
+
+def test_every_dialect_records_the_same_token_exact_sample_malformed_call_included(tok):
+    """The real openai (chat, streamed chat, Responses) and anthropic clients drive the same
+    episode: a malformed call the agent answers with the tool's error, a corrected call,
+    the answer. Each is one token-exact sample with the malformed call counted, and all
+    four are the same tokens: the session renders each answered turn as the model wrote
+    it, whatever the dialect sent back."""
+    first = same_episode_in_every_dialect(tok, fumbling_reply)
     text = tok.decode(first.tokens)
     expression = calculator.task_of(first)["expression"]
     assert f'{{"expression": "{expression}"}}\n</tool_call>' in text  # the malformed call

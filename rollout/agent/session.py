@@ -15,7 +15,8 @@ template, sent to the engines as ``input_ids`` through the episode's policy (an
 abort switch as every other generate path), and the engine's output ids, log-probs and
 finish reason recorded verbatim in the session's ``Trace``.
 
-Tool calls are parsed from the model's text (rollout/agent/toolcalls.py); a malformed one
+Tool calls are parsed from the model's text in the format its chat template writes
+(rollout/agent/tool_formats.py: Qwen3's JSON or Qwen3.5's XML); a malformed one
 reaches the agent as a call it can answer with a tool error (its arguments the model's
 raw text) and is counted. An assistant message this session answered, sent back
 unchanged in any dialect, is rendered as the model's own text, so a follow-up call
@@ -47,7 +48,7 @@ from aiohttp import web
 
 from rollout.agent.dialects import ROUTES, chat, error_response, read_body, respond
 from rollout.agent.dialects.base import RequestError, new_id, text_of
-from rollout.agent.toolcalls import parse_tool_calls
+from rollout.agent.tool_formats import ToolFormat, tool_format
 from rollout.agent.trace import Call, Trace
 from rollout.engines.client import EngineError
 
@@ -122,10 +123,15 @@ class Session:
             return {"role": "assistant", "content": answer.text}
         return message
 
+    @functools.cached_property
+    def tool_format(self) -> ToolFormat:
+        return tool_format(self.tokenizer)
+
     def render(self, messages: list[dict], tools: Optional[list[dict]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(
-            [self._as_generated(m) for m in messages], tools=tools or None, tokenize=False,
-            add_generation_prompt=True, **self.chat_template_kwargs)
+            self.tool_format.prepare([self._as_generated(m) for m in messages]),
+            tools=tools or None, tokenize=False, add_generation_prompt=True,
+            **self.chat_template_kwargs)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _budget(self, limits: dict) -> int:
@@ -200,7 +206,7 @@ class Session:
             output = await self._act(prompt_ids, budget, (messages, tools))
             output_ids, _, finish = output
             text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
-            parsed = parse_tool_calls(text) if tools else None
+            parsed = self.tool_format.parse(text, tools) if tools else None
             found = parsed.tool_calls if parsed else []
             calls = [c.to_openai() for c in found]
             self._record(prompt_ids, output, tool_calls=sum(c.error is None for c in found),
