@@ -81,6 +81,20 @@ def test_export_round_trips_to_hf_checkpoint(tp1, tiny_model_path):
         assert torch.equal(exported[name], tensor), name
 
 
+# How far the two-step train step below moves when only the order of its float32 sums
+# changes: the largest difference over five reorderings of the single-rank step (micro-
+# batch budgets of 64 and 256 tokens, TP=2, PP=2, DP=2) measured on an AMD EPYC (AVX2),
+# times 5. Step 1's gradient differs by rounding only (grad norm: 3e-6 relative), but
+# Adam's first update is ~lr * sign(g), so an element whose gradient is ~0 moves by up to
+# 2 lr on rounding alone, and step 2's loss, KL and weights inherit that: measured
+# |pg_loss| diff 1.3e-6 (of 3.4e-3), |ppo_kl| diff 6.1e-7 (of 6.6e-5), entropy 4.8e-7,
+# grad norm (mean of both steps) 9.1e-6, and a weight tensor's update differing by at
+# most 1.0e-3 of its norm (an elementwise bound cannot hold: 1.4e-4 = 0.14 lr seen).
+STEP_ATOL = {"train/pg_loss": 7e-6, "train/ppo_kl": 3e-6, "train/entropy": 2.5e-6,
+             "train/grad_norm": 5e-5}
+UPDATE_RTOL = 5e-3
+
+
 @pytest.mark.parametrize("tp,pp,ranks", [(2, 1, 2), (1, 2, 2), (1, 1, 2)],
                          ids=["tp2", "pp2", "dp2"])
 def test_model_parallel_equals_single_rank(ray_local, tiny_model_path, batch, hf_logps, tp, pp,
@@ -105,13 +119,13 @@ def test_model_parallel_equals_single_rank(ray_local, tiny_model_path, batch, hf
         torch.testing.assert_close(b, h, atol=LOGP_ATOL, rtol=0)
     assert sorted(e1) == sorted(e2)
     assert all(torch.equal(e1[n], e2[n]) for n in e1)
-    for key in ("train/pg_loss", "train/entropy", "train/grad_norm", "train/ppo_kl"):
-        assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
+    for key, atol in STEP_ATOL.items():
+        assert m1[key] == pytest.approx(m2[key], rel=0, abs=atol), key
     assert m1["train/optimizer_steps"] == m2["train/optimizer_steps"] == 2
-    # grad_norm above pins the gradients; Adam amplifies summation-order rounding of the
-    # few near-zero gradients (seen: 0.06 lr after two steps): 10% of one update.
-    for name in p1:
-        torch.testing.assert_close(p1[name], p2[name], atol=0.1 * 1e-3, rtol=0, msg=name)
+    for name in p1:  # the update, as a whole per tensor (see STEP_ATOL)
+        update = float((p1[name] - e1[name]).norm())
+        diff = float((p2[name] - p1[name]).norm())
+        assert diff <= UPDATE_RTOL * update, (name, diff, update)
 
 
 def test_train_step_decreases_loss_on_fixed_batch(tp1, batch):

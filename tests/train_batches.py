@@ -67,6 +67,55 @@ def exported_params(group) -> dict:
     return {n: t for bucket in group.named_weight_buckets(1 << 20) for n, t in bucket}
 
 
+def record_gradients(group) -> None:
+    """Make every FSDP rank keep, at each optimizer step from now on, the full gradient
+    the optimizer is about to apply (after clipping): what a train step computed, before
+    Adam turns it into an update. ``recorded_gradients`` returns them."""
+    def install(actor):
+        backend = actor.backend
+        backend.recorded_gradients = []
+
+        def hook(optimizer, args, kwargs):
+            # FSDP re-registers its parameters on first use: name them at step time.
+            names = {id(p): n for n, p in backend.model.named_parameters()}
+            grads = {}
+            for param_group in optimizer.param_groups:
+                for p in param_group["params"]:
+                    if p.grad is not None:  # full_tensor() is collective: same order on all ranks
+                        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                        grads[names[id(p)]] = g.detach().clone()
+            backend.recorded_gradients.append(grads)
+
+        backend.optimizer.register_step_pre_hook(hook)
+
+    import ray
+
+    ray.get([a.__ray_call__.remote(install) for a in group.actors])
+
+
+def recorded_gradients(group) -> list[dict]:
+    """Rank 0's gradients per optimizer step since ``record_gradients``: [{name: tensor}]."""
+    import ray
+
+    return ray.get(group.actors[0].__ray_call__.remote(
+        lambda actor: actor.backend.recorded_gradients))
+
+
+def assert_gradients_close(got: list[dict], expected: list[dict], *, rtol: float) -> None:
+    """Each optimizer step's gradient, tensor by tensor: ||got - expected|| <= rtol
+    ||expected|| (a norm, not elementwise: an element that cancels to ~0 has no relative
+    precision)."""
+    import torch
+
+    assert len(got) == len(expected)
+    for step, (g, e) in enumerate(zip(got, expected)):
+        assert sorted(g) == sorted(e)
+        for name, ref in e.items():
+            err = float((g[name] - ref).norm())
+            assert err <= rtol * float(ref.norm()), \
+                f"step {step} {name}: |diff| {err:.3g} > {rtol} x |grad| {float(ref.norm()):.3g}"
+
+
 def assert_save_load_round_trip(group, batch, ckpt_dir: str) -> None:
     """Save, step, load: the weights come back exactly, and the same step from the
     restored state lands on the same weights (Adam moments, step counts and the LR
