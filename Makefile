@@ -8,7 +8,7 @@ export HOMEGYM_CACHE ?= $(CURDIR)/.cache/homegym
 SGLANG_VENV ?= .venv-sglang
 export HOMEGYM_SGLANG_PYTHON ?= $(if $(wildcard $(SGLANG_VENV)/bin/python),$(CURDIR)/$(SGLANG_VENV)/bin/python,)
 
-.PHONY: run test test-fast install sglang-cpu clean
+.PHONY: run test test-fast soak install sglang-cpu clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -34,9 +34,14 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-## Unit tests only.
+## The fast tier: no Ray, no subprocess (docs/testing.md: tiers and markers), one pytest
+## worker per CPU (pytest-xdist).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n auto -m "not slow and not ray and not subprocess" $(PYTEST_ARGS)
+
+## The chaos soak's long form (30 steps, both layouts; the suite runs a short one).
+soak: $(STAMP)
+	$(BIN)/python scripts/chaos_soak.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) .cache outputs

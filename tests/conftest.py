@@ -1,6 +1,7 @@
 """Shared fixtures: one torch thread per process, a model cache, a real local Ray."""
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -15,6 +16,77 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+# -------------------------------------------------------------------- tiers
+# fast (`make test-fast`): no Ray, no subprocess. A test that uses ray_local is marked `ray`
+# here; one that starts any other process (a server, trainer.main, a script) carries
+# @pytest.mark.subprocess; end-to-end ones carry @pytest.mark.slow. A test with none of
+# them that starts a process anyway fails (the audit hook below sees every spawn).
+TIER_MARKERS = ("slow", "ray", "subprocess")
+# Quick system tools libraries run on their own (platform.processor() runs uname): not
+# what the tier is about. A fork without exec (a privilege drop) is not either.
+_QUICK_TOOLS = frozenset({"uname", "ldconfig", "git", "nproc", "lscpu", "id", "df", "which"})
+_fast_guard: dict = {"armed": False, "spawned": []}
+
+
+def _audit_spawns(event: str, args) -> None:
+    if not _fast_guard["armed"]:
+        return
+    if event == "subprocess.Popen":
+        argv = args[1] if isinstance(args[1], (list, tuple)) else [args[1] or args[0]]
+        if os.path.basename(str(argv[0])) not in _QUICK_TOOLS:
+            _fast_guard["spawned"].append(" ".join(map(str, argv))[:160])
+    elif event in ("os.posix_spawn", "os.spawn", "os.system", "os.exec"):
+        _fast_guard["spawned"].append(f"{event} {str(args)[:140]}")
+
+
+sys.addaudithook(_audit_spawns)
+
+
+def starts_processes(fixture_function):
+    """For a fixture that starts a process (put it under @pytest.fixture): every test that
+    uses the fixture, directly or through another, is marked ``subprocess``."""
+    fixture_function.starts_processes = True
+    return fixture_function
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "ray_local" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
+        info = getattr(item, "_fixtureinfo", None)
+        if info is not None and any(getattr(d.func, "starts_processes", False)
+                                    for defs in info.name2fixturedefs.values() for d in defs):
+            item.add_marker(pytest.mark.subprocess)
+
+
+def _is_fast(item) -> bool:
+    return not any(item.get_closest_marker(m) for m in TIER_MARKERS)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    # Armed before the item's fixtures (module- and session-scoped ones included) start.
+    _fast_guard["armed"], _fast_guard["spawned"] = _is_fast(item), []
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    _fast_guard["armed"] = False
+
+
+@pytest.fixture(autouse=True)
+def fast_tier_starts_no_process(request):
+    """A test in the fast tier (no tier marker) starts no process."""
+    yield
+    spawned = list(_fast_guard["spawned"])
+    if _fast_guard["armed"] and spawned:
+        pytest.fail(f"{request.node.nodeid} started a process but is in the fast tier: mark it "
+                    f"@pytest.mark.subprocess (or use ray_local for Ray): {spawned[:3]}",
+                    pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -339,3 +411,39 @@ def main_exit(tmp_path, *overrides, env: dict | None = None, timeout_s: float = 
                           capture_output=True, text=True, timeout=timeout_s)
     return MainExit(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start,
                     out_dir / run_name)
+
+
+# -------------------------------------------------------------------- the suite's time
+_durations: dict = {}
+_session_start: list = []
+
+
+def pytest_sessionstart(session):
+    import time
+
+    _session_start.append(time.monotonic())
+
+
+def pytest_runtest_logreport(report):
+    # A test's time is its setup + call + teardown (a module fixture's start-up counts
+    # for the test that set it up).
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+@pytest.hookimpl(trylast=True)  # after --durations' list: the log's last lines
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The suite's wall time and its ten slowest tests, last (CI's log ends with them)."""
+    import time
+
+    if not _session_start or not _durations:
+        return
+    wall = time.monotonic() - _session_start[0]
+    load = os.getloadavg()
+    tr = terminalreporter
+    tr.write_sep("=", "the suite's time")
+    tr.write_line(f"wall time {wall:.0f} s ({wall / 60:.1f} min) for {len(_durations)} tests; "
+                  f"load average now {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
+                  f"on {os.cpu_count()} CPUs")
+    tr.write_line("ten slowest tests (setup + call + teardown):")
+    for nodeid, seconds in sorted(_durations.items(), key=lambda kv: -kv[1])[:10]:
+        tr.write_line(f"  {seconds:7.1f} s  {nodeid}")

@@ -133,12 +133,14 @@ def test_share_prompts_defaults_to_where_it_applies():
     assert not compose_config("train.share_prompts=false").derived.share_prompts
 
 
+@pytest.mark.subprocess
 def test_cfg_job_prints_the_gpu_recipe_on_any_machine():
     out = subprocess.run([sys.executable, "-m", "trainer.main", "+recipe=qwen_4b", "--cfg", "job"],
                          cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "recipe_name: qwen_4b" in out and "engine: sglang" in out and "backend: megatron" in out
 
 
+@pytest.mark.subprocess
 def test_cli_config_error_exits_cleanly():
     proc = subprocess.run([sys.executable, "-m", "trainer.main", "rollout.n_samples_per_prompt=0"],
                           cwd=REPO, capture_output=True, text=True)

@@ -7,7 +7,7 @@ import pytest
 import requests
 import torch
 
-from conftest import fresh_logprobs, push_tensors, wait_for
+from conftest import fresh_logprobs, push_tensors, starts_processes, wait_for
 from rollout.models import cache_kwarg
 from rollout.engines import (PINNED_SGLANG_VERSION, EngineError, EngineServer, HFLaunch,
                              MultiprocessingSerializer)
@@ -17,6 +17,7 @@ CTX = 256
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def engine(tiny_model_path, tmp_path_factory):
     eng = EngineServer(HFLaunch(model_path=tiny_model_path, max_context_len=CTX), "hf-test",
                        str(tmp_path_factory.mktemp("hf-engine")))

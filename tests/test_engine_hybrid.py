@@ -11,7 +11,7 @@ import pytest
 import requests
 import torch
 
-from conftest import fresh_logprobs, push_tensors
+from conftest import fresh_logprobs, push_tensors, starts_processes
 from rollout.engines import EngineServer, HFLaunch
 
 CTX = 256
@@ -165,6 +165,7 @@ def test_next_turn_resumes_from_the_state_at_the_end_of_the_previous_call(models
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def engine(tiny_qwen3_5_path, tmp_path_factory):
     eng = EngineServer(HFLaunch(model_path=tiny_qwen3_5_path, max_context_len=CTX), "hf-q35",
                        str(tmp_path_factory.mktemp("hf-q35")))

@@ -81,6 +81,7 @@ def test_native_rms_norm_equals_the_llama_familys_norm(shape):
         assert fast_kernels.rms_norm(x.double(), norm.weight.double(), 1e-6) is None
 
 
+@pytest.mark.subprocess
 def test_native_kernels_can_be_switched_off(tmp_path):
     """HOMEGYM_NATIVE_KERNELS=0 keeps the torch path (and builds nothing)."""
     code = ("from rollout.engines.hf import native, packed_linear; import sys; "

@@ -87,6 +87,7 @@ def test_preflight_rejects_too_little_free_space(tmp_path):
         preflight_output_dir(tmp_path / "run", min_free_bytes=1 << 62)
 
 
+@pytest.mark.subprocess
 def test_trainer_main_stops_before_training_on_an_unwritable_run_dir(tmp_path):
     """Start-up check through the real entry point: the run directory cannot be created
     (a file is in the way): a message naming the key, a non-zero exit, no Ray started."""
@@ -98,6 +99,7 @@ def test_trainer_main_stops_before_training_on_an_unwritable_run_dir(tmp_path):
     assert "Started a local Ray instance" not in out
 
 
+@pytest.mark.subprocess
 def test_trainer_main_unwritable_output_dir_is_a_one_line_error(tmp_path):
     blocker = tmp_path / "blocker"
     blocker.write_text("")
@@ -134,6 +136,7 @@ def test_failed_save_is_a_clear_error_and_leaves_no_partial_directory(tmp_path, 
     assert sorted(p.name for p in mgr.root.iterdir()) == ["latest", "step_000001"]
 
 
+@pytest.mark.subprocess
 def test_disk_full_mid_write_for_real(tmp_path):
     """A real write failure: the saving process's file-size limit (RLIMIT_FSIZE) stops
     torch.save half-way through the second checkpoint, as a full disk would."""

@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 LAYERS = {"config": 0, "envs": 1, "rollout": 2, "trainer": 3, "scripts": 4, "examples": 4}
@@ -39,6 +41,7 @@ def test_no_upward_import():
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
 
+@pytest.mark.subprocess
 def test_config_imports_nothing_heavy_and_nothing_of_the_project():
     code = ("import json, sys, config; config.compose_config(); "
             "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")

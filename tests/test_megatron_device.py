@@ -71,6 +71,7 @@ def _reduce_rank(rank: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.subprocess
 def test_metric_sums_all_reduce_over_gloo(tmp_path):
     store, out = str(tmp_path / "store"), str(tmp_path / "r")
     code = "import test_megatron_device as t; t._reduce_rank({}, %r, %r)" % (store, out)

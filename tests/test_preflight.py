@@ -112,29 +112,34 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.subprocess
 def test_a_bad_plugin_or_env_stops_within_seconds_naming_the_key(tmp_path, plugins, name):
     overrides, key, phrase = CASES[name]
     run = main_exit(tmp_path, *overrides, env={"PYTHONPATH": str(plugins)})
     _assert_one_line_error(run, key, phrase)
 
 
+@pytest.mark.subprocess
 def test_a_missing_data_file_is_named(tmp_path):
     run = main_exit(tmp_path, f"data.path={tmp_path}/train.jsonl")
     _assert_one_line_error(run, "data.path", "does not exist")
 
 
+@pytest.mark.subprocess
 def test_a_missing_eval_file_is_named(tmp_path):
     train = _jsonl(tmp_path / "train.jsonl", [{"messages": "hi", "label": 1}])
     run = main_exit(tmp_path, f"data.path={train}", f"data.eval_path={tmp_path}/eval.jsonl")
     _assert_one_line_error(run, "data.eval_path", "does not exist")
 
 
+@pytest.mark.subprocess
 def test_data_without_the_input_key_is_named(tmp_path):
     train = _jsonl(tmp_path / "train.jsonl", [{"question": "hi", "label": 1}])
     run = main_exit(tmp_path, f"data.path={train}")
     _assert_one_line_error(run, "data.input_key", "'messages' is not a column")
 
 
+@pytest.mark.subprocess
 def test_parquet_without_the_label_key_is_named(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -145,6 +150,7 @@ def test_parquet_without_the_label_key_is_named(tmp_path):
     _assert_one_line_error(run, "data.label_key", "'label' is not a column")
 
 
+@pytest.mark.subprocess
 def test_a_model_directory_without_a_tokenizer_is_named(tmp_path, tiny_model_path):
     model = tmp_path / "model"
     model.mkdir()
@@ -153,11 +159,13 @@ def test_a_model_directory_without_a_tokenizer_is_named(tmp_path, tiny_model_pat
     _assert_one_line_error(run, "model.path", "has no tokenizer")
 
 
+@pytest.mark.subprocess
 def test_a_model_directory_without_a_config_is_named(tmp_path):
     run = main_exit(tmp_path, f"model.path={tmp_path}")
     _assert_one_line_error(run, "model.path", "without config.json")
 
 
+@pytest.mark.subprocess
 def test_smollm2_without_its_gguf_package_is_one_line(tmp_path, plugins):
     """model=smollm2_135m where the package that ships the GGUF file is not usable (a
     stand-in package without the file shadows it) and nothing is cached yet."""
@@ -191,6 +199,7 @@ print("ray initialized:", ray.is_initialized())
 """
 
 
+@pytest.mark.subprocess
 def test_the_python_api_checks_before_ray_starts(tmp_path):
     """TrainConfig.launch() runs the same checks before it connects to Ray, on functions
     it would ship by value too (in a fresh process: this one may hold the suite's Ray)."""
@@ -255,6 +264,7 @@ def _checkpoint(tmp_path, tiny_model_path, config: dict) -> str:
     return str(d)
 
 
+@pytest.mark.subprocess
 def test_sglang_on_a_cpu_without_avx512_and_amx_is_refused(tmp_path):
     """SGLang's CPU kernels need AVX-512 and AMX: on a CPU without them (an AVX2-only
     cpuinfo here, whatever this machine has) the run stops before Ray, naming the key."""

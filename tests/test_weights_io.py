@@ -77,6 +77,7 @@ def _child(tmp_path, named, payload, fmt, reader="homegym"):
 
 
 @pytest.mark.parametrize("flattened", [False, True])
+@pytest.mark.subprocess
 def test_second_process_reads_cpu_payload(tmp_path, flattened):
     named = _named()
     payloads, fmt = wio.serialize_for_sglang(named, tp_size=2, flattened=flattened)
@@ -88,6 +89,7 @@ def test_second_process_reads_cpu_payload(tmp_path, flattened):
         assert report["bad"] == []
 
 
+@pytest.mark.subprocess
 def test_list_payload_still_reads_with_the_plain_deserializer(tmp_path):
     """The hf engine's reader (MultiprocessingSerializer.deserialize) is unchanged."""
     named = _named()
@@ -241,6 +243,7 @@ def test_second_process_opens_cuda_ipc_by_uuid(tmp_path, flattened):
 
 
 
+@pytest.mark.subprocess
 def test_staged_buckets_reuse_their_shared_buffer_and_carry_new_values(tmp_path):
     """SharedStaging: a second push of the same layout writes into the same /dev/shm
     buffer, and a second process reads the new values (not the first push's)."""
