@@ -10,13 +10,13 @@ from config.compose import CONF_DIR, compose_config, set_dotted, split_args
 from config.schema import (
     AdvantageEstimator, AgentConfig, AlgoConfig, Backend, ClusterConfig, ConfigError,
     DataConfig, EnvConfig, EvalConfig, HomegymConfig, KLType, LoggingConfig, LoraConfig,
-    LossAgg, ModelConfig, PolicyLoss, RolloutConfig, TrainConfig, WarmupConfig, build_config,
-    choices, register_schema, to_dict)
+    LossAgg, ModelConfig, PolicyLoss, RolloutConfig, RolloutCorrection, TrainConfig,
+    WarmupConfig, build_config, choices, register_schema, to_dict)
 
 __all__ = [
     "AdvantageEstimator", "AgentConfig", "AlgoConfig", "Backend", "CONF_DIR", "ClusterConfig",
     "ConfigError", "DataConfig", "EnvConfig", "EvalConfig", "HomegymConfig", "KLType",
     "LoggingConfig", "LoraConfig", "LossAgg", "ModelConfig", "PolicyLoss", "RolloutConfig",
-    "TrainConfig", "WarmupConfig", "build_config", "choices", "compose_config",
+    "RolloutCorrection", "TrainConfig", "WarmupConfig", "build_config", "choices", "compose_config",
     "register_schema", "set_dotted", "split_args", "to_dict",
 ]

@@ -13,6 +13,7 @@ This module imports no torch so that config handling stays cheap and usable anyw
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Literal, Optional, get_args
 
@@ -28,9 +29,31 @@ from config.derived import Derived, derive
 # keyed by the same names and checked against them at import.
 Backend = Literal["fsdp", "megatron"]
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp"]
-PolicyLoss = Literal["ppo", "gspo", "sft"]
+PolicyLoss = Literal["ppo", "gspo", "cispo", "sapo", "sft"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 KLType = Literal["k1", "k2", "k3", "low_var_kl"]
+# How the policy gradient accounts for the engines sampling from another policy than the
+# trainer's (numerics, staleness): trainer/algo/corrections.py implements each.
+RolloutCorrection = Literal["none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_mask",
+                            "icepop"]
+# Each correction's (lower, upper) bound on its importance ratio when algo.correction_low /
+# algo.correction_high are null; None: that side has no bound. The references for each
+# value are in trainer/algo/corrections.py and docs/algorithms.md.
+CORRECTION_BOUNDS: dict[str, tuple[Optional[float], Optional[float]]] = {
+    "none": (None, None),
+    "token_tis": (None, 2.0),
+    "token_mis": (None, 2.0),
+    "seq_tis": (None, 5.0),
+    "seq_mis": (None, 2.0),
+    "geo_mask": (0.99, 1.01),
+    "icepop": (0.5, 5.0),
+}
+# The train/rollout mismatch metrics of every RL step that algo.mismatch_warn may name
+# (each is logged as mismatch/<name>; trainer/algo/mismatch.py computes them).
+MISMATCH_METRICS = (
+    "logprob_abs_diff", "logprob_abs_diff_max", "k3_kl",
+    *(f"{level}_ratio_{q}" for level in ("token", "seq") for q in ("p1", "p50", "p99", "max")),
+    "staleness_mean", "staleness_max")
 
 
 def choices(kind: Any) -> tuple[str, ...]:
@@ -188,6 +211,9 @@ class RolloutConfig:
     # wait in place and continue on the new weights (their samples record both versions);
     # "abort": they are aborted and continued next step as partial rollouts.
     update_in_flight: str = "pause"
+    # For tests and benchmarks: homegym's CPU engines multiply every weight they load by
+    # 1 + weight_noise * N(0, 1) (fixed per tensor), a known train/rollout mismatch. 0 = off.
+    weight_noise: float = 0.0
 
     def __post_init__(self) -> None:
         _one_of(self.engine, "rollout.engine", ("hf", "sglang"))
@@ -213,6 +239,9 @@ class RolloutConfig:
             _check(self.sglang_max_mamba_cache_size >= 3, "rollout.sglang_max_mamba_cache_size",
                    "must be >= 3 (a running request holds 3 state slots)")
         _one_of(self.update_in_flight, "rollout.update_in_flight", ("pause", "abort"))
+        _check(self.weight_noise >= 0, "rollout.weight_noise", "must be >= 0")
+        _check(self.weight_noise == 0 or self.engine == "hf", "rollout.weight_noise",
+               "perturbs homegym's CPU engine only (rollout.engine=hf)")
         _check(not (self.agent.function and self.custom_generate_function),
                "rollout.agent.function", "an agent is the rollout: unset "
                "rollout.custom_generate_function (or rollout.agent.function)")
@@ -222,7 +251,8 @@ class RolloutConfig:
 class AlgoConfig:
     # Advantage estimator: grpo | dr_grpo | rloo | reinforce_pp | reinforce
     advantage_estimator: str = "grpo"
-    # Policy loss: ppo (clipped surrogate) | gspo (sequence-level ratio) | sft
+    # Policy loss (trainer/algo/objective.py): ppo (clipped surrogate) | gspo (sequence-level
+    # ratio) | cispo (clipped, stop-gradient IS weight) | sapo (smooth gate) | sft
     policy_loss: str = "ppo"
     # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
     loss_agg: str = "token_mean"
@@ -232,12 +262,26 @@ class AlgoConfig:
     kl_coef: float = 0.0  # > 0 loads a frozen reference model
     kl_type: str = "low_var_kl"  # k1 | k2 | k3 | low_var_kl
     entropy_coef: float = 0.0
-    # Truncated importance sampling against the engines' rollout log-probs; null = off.
+    # SAPO's gate temperatures for positive / negative advantages (the SAPO paper's values).
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    # How the loss corrects for the engines sampling from another policy than the trainer's
+    # (other numerics, older weights): none | token_tis | token_mis | seq_tis | seq_mis |
+    # geo_mask | icepop (trainer/algo/corrections.py; docs/algorithms.md compares them).
+    rollout_correction: str = "none"
+    # Its bounds on the importance ratio pi_trainer / pi_engine; null = the correction's
+    # default (CORRECTION_BOUNDS). Setting a bound the correction does not have is an error.
+    correction_low: Optional[float] = None
+    correction_high: Optional[float] = None
+    # Deprecated alias: tis_clip=C means rollout_correction=token_tis correction_high=C.
     tis_clip: Optional[float] = None
+    # Warn (once per run) when a mismatch metric of an RL step exceeds its threshold:
+    # {metric: threshold}, metric one of MISMATCH_METRICS (logged as mismatch/<metric>).
+    mismatch_warn: Dict[str, float] = field(default_factory=lambda: {"k3_kl": 0.01})
     gamma: float = 1.0
     # 0 = synchronous; k = a trained sample may be at most k policy versions old (async).
     max_staleness: int = 0
-    stale_policy: str = "drop"  # drop | keep (keep counts, TIS corrects)
+    stale_policy: str = "drop"  # drop | keep (keep counts, the rollout correction corrects)
 
     def __post_init__(self) -> None:
         _one_of(self.advantage_estimator, "algo.advantage_estimator", choices(AdvantageEstimator))
@@ -251,9 +295,41 @@ class AlgoConfig:
         if self.dual_clip_c is not None:
             _check(self.dual_clip_c > 1, "algo.dual_clip_c", "must be > 1")
         _check(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
+        _check(self.max_staleness >= 0, "algo.max_staleness", "must be >= 0")
+        _check(self.sapo_tau_pos > 0, "algo.sapo_tau_pos", "must be > 0")
+        _check(self.sapo_tau_neg > 0, "algo.sapo_tau_neg", "must be > 0")
         if self.tis_clip is not None:
             _check(self.tis_clip > 0, "algo.tis_clip", "must be > 0")
-        _check(self.max_staleness >= 0, "algo.max_staleness", "must be >= 0")
+            _check(self.rollout_correction in ("none", "token_tis") and self.correction_high is None,
+                   "algo.tis_clip", "is the deprecated spelling of algo.rollout_correction="
+                   "token_tis algo.correction_high=<cap>: set only those")
+            warnings.warn(f"algo.tis_clip is deprecated: use algo.rollout_correction=token_tis "
+                          f"algo.correction_high={self.tis_clip}", FutureWarning, stacklevel=2)
+            self.rollout_correction, self.correction_high = "token_tis", self.tis_clip
+            self.tis_clip = None
+        _one_of(self.rollout_correction, "algo.rollout_correction", choices(RolloutCorrection))
+        low, high = CORRECTION_BOUNDS[self.rollout_correction]
+        for key, value, default in (("correction_low", self.correction_low, low),
+                                    ("correction_high", self.correction_high, high)):
+            if value is not None:
+                _check(default is not None, f"algo.{key}", f"algo.rollout_correction="
+                       f"{self.rollout_correction} has no {key.split('_')[1]} bound: unset it")
+        # Ratio 1 (engine and trainer agree) must stay inside, or on-policy tokens get cut.
+        low, high = self.correction_bounds
+        if low is not None:
+            _check(0 <= low < 1, "algo.correction_low", f"must be in [0, 1) (got {low})")
+        if high is not None:
+            _check(high > 1, "algo.correction_high", f"must be > 1 (got {high})")
+        for name, threshold in self.mismatch_warn.items():
+            _one_of(name, "algo.mismatch_warn", MISMATCH_METRICS)
+            _check(threshold >= 0, f"algo.mismatch_warn.{name}", "must be >= 0")
+
+    @property
+    def correction_bounds(self) -> tuple[Optional[float], Optional[float]]:
+        """(lower, upper) bound of the rollout correction, defaults filled in."""
+        low, high = CORRECTION_BOUNDS[self.rollout_correction]
+        return (self.correction_low if self.correction_low is not None else low,
+                self.correction_high if self.correction_high is not None else high)
 
 
 @dataclass

@@ -1,15 +1,15 @@
-"""Policy losses, KL estimators, TIS and aggregation against values computed by hand."""
+"""Policy losses, KL estimators and aggregation against values computed by hand (the
+rollout corrections, CISPO and SAPO: tests/test_algo_offpolicy.py)."""
 
 import math
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from trainer.training.algo.losses import (
     LossNorms, aggregate, entropy_from_logits, gspo_loss, kl_penalty, ppo_clip_loss,
-    tis_weights, token_log_probs)
+    token_log_probs)
 from trainer.training.algo.objective import TokenInputs, policy_objective, sft_objective
+from config import AlgoConfig
 
 
 def t(*values):
@@ -71,11 +71,6 @@ def test_kl_estimators():
         kl_penalty(logp, ref, "k4")
 
 
-def test_tis_weights_truncate():
-    w = tis_weights(t(-1.0, -1.0), t(-3.0, -0.5), clip=2.0)
-    assert torch.allclose(w, t(2.0, math.exp(-0.5)))
-
-
 def test_aggregation_modes():
     values = t(1, 2, 3, 4, 10)
     mask = t(1, 1, 1, 1, 0)
@@ -101,11 +96,7 @@ def test_token_log_probs_and_entropy():
 
 
 def _algo(**kw):
-    base = dict(policy_loss="ppo", loss_agg="token_mean", eps_clip=0.2, eps_clip_high=None,
-                dual_clip_c=None, kl_coef=0.0, kl_type="k1", entropy_coef=0.0, tis_clip=None,
-                advantage_estimator="grpo")
-    base.update(kw)
-    return SimpleNamespace(**base)
+    return AlgoConfig(**{"kl_type": "k1", **kw})
 
 
 def test_policy_objective_combines_terms_and_metrics():
@@ -114,7 +105,8 @@ def test_policy_objective_combines_terms_and_metrics():
                          advantages=t(1, 1, -1), old_log_probs=None,
                          rollout_log_probs=t(-1.5, -2.0, 0.0), ref_log_probs=t(-1.5, -2.5, 0.0))
     norms = LossNorms(num_tokens=2, num_seqs=2, norm_len=2)
-    algo = _algo(kl_coef=0.1, entropy_coef=0.01, tis_clip=10.0)
+    algo = _algo(kl_coef=0.1, entropy_coef=0.01, rollout_correction="token_tis",
+                 correction_high=10.0)
     loss, m = policy_objective(algo, inputs, logp, t(2.0, 4.0, 100.0), norms)
     # pg per token = -1 * ratio(=1) * TIS weight exp(old - rollout) = [-e^0.5, -1]
     pg = (-math.exp(0.5) - 1) / 2
@@ -123,8 +115,8 @@ def test_policy_objective_combines_terms_and_metrics():
     assert m["train/pg_loss"].item() == pytest.approx(pg, rel=1e-5)
     assert m["train/kl"].item() == pytest.approx(kl)
     assert m["train/entropy"].item() == pytest.approx(ent)
-    assert m["train/rollout_logprob_abs_diff"].item() == pytest.approx(0.25)
-    assert m["train/tis_weight"].item() == pytest.approx((math.exp(0.5) + 1) / 2, rel=1e-5)
+    assert m["mismatch/logprob_abs_diff"].item() == pytest.approx(0.25)
+    assert m["mismatch/correction_weight"].item() == pytest.approx((math.exp(0.5) + 1) / 2, rel=1e-5)
     assert loss.item() == pytest.approx(pg + 0.1 * kl - 0.01 * ent, rel=1e-5)
 
 
@@ -139,6 +131,8 @@ def test_samples_without_rollout_log_probs_get_no_tis_and_no_mismatch():
                          advantages=t(1, 1), old_log_probs=None,
                          rollout_log_probs=t(-2.0, 0.0), rollout_mask=t(1, 0))
     norms = LossNorms(num_tokens=2, num_seqs=2, norm_len=1, num_rollout_tokens=1)
-    _, m = policy_objective(_algo(tis_clip=100.0), inputs, logp, None, norms)
-    assert m["train/rollout_logprob_abs_diff"].item() == pytest.approx(1.0)
-    assert m["train/tis_weight"].item() == pytest.approx((math.e + 1) / 2, rel=1e-5)
+    _, m = policy_objective(_algo(rollout_correction="token_tis", correction_high=100.0),
+                            inputs, logp, None, norms)
+    assert m["mismatch/logprob_abs_diff"].item() == pytest.approx(1.0)
+    # The sample without engine log-probs is not corrected (weight 1) and not a rollout token.
+    assert m["mismatch/correction_weight"].item() == pytest.approx(math.e, rel=1e-5)

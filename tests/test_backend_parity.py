@@ -24,11 +24,13 @@ from trainer.training.backends.schedule import total_optimizer_steps
 TESTS = Path(__file__).resolve().parent
 LR = 1e-3
 # Several micro-batches per step (max_tokens), a reference model (kl_coef), an entropy
-# term, a per-sequence aggregation (normalised by the step's global sample count) and an
-# LR decaying over total_optimizer_steps = 3.
+# term, a per-sequence aggregation (normalised by the step's global sample count), a
+# sequence-level rollout correction that drops some samples, and an LR decaying over
+# total_optimizer_steps = 3.
 TRAIN = {"lr": LR, "min_lr": 0.0, "max_tokens_per_micro_batch": 96, "num_steps": 3,
          "lr_schedule": "cosine"}
-ALGO = {"loss_agg": "seq_mean_token_mean", "entropy_coef": 0.01, "kl_coef": 0.05}
+ALGO = {"loss_agg": "seq_mean_token_mean", "entropy_coef": 0.01, "kl_coef": 0.05,
+        "rollout_correction": "geo_mask", "correction_low": 0.8, "correction_high": 1.25}
 
 
 def _batch():
@@ -86,6 +88,7 @@ def _plain_step(weights: dict, batch, *, sft: bool) -> tuple[dict, float]:
     from rollout.models import resolve_model_path
     from trainer.training.algo.advantages import sequence_advantages
     from trainer.training.algo.losses import entropy_from_logits, token_log_probs
+    from trainer.training.algo.mismatch import RatioSketch, merge_sketches, ratio_metrics
     from trainer.training.algo.objective import TokenInputs, policy_objective, sft_objective
     from trainer.training.backends.batching import step_norms
 
@@ -116,7 +119,10 @@ def _plain_step(weights: dict, batch, *, sft: bool) -> tuple[dict, float]:
             rollout_log_probs=torch.tensor([x for lps in batch.rollout_log_probs for x in lps]),
             rollout_mask=torch.ones_like(mask),
             ref_log_probs=logp.detach())  # the reference is the initial policy
-        loss, metrics = policy_objective(algo, inputs, logp, entropy_from_logits(logits), norms)
+        ratios = RatioSketch()
+        loss, metrics = policy_objective(algo, inputs, logp, entropy_from_logits(logits), norms,
+                                         ratios)
+        metrics.update(ratio_metrics(merge_sketches([ratios.sketch()])))
     loss.backward()
     norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters()
                          if p.grad is not None))
@@ -151,9 +157,12 @@ def test_fsdp_and_megatron_steps_equal_plain_autograd(results):
             torch.testing.assert_close(mega[w][name], t, atol=0.1 * LR * 3, rtol=0, msg=name)
 
     plain, norm = _plain_step(fsdp["w0"], batch, sft=False)
+    assert 0 < plain["mismatch/seq_masked_frac"] < 1  # the correction dropped some samples
+    mismatch = [k for k in plain if k.startswith("mismatch/")]
+    assert "mismatch/token_ratio_p99" in mismatch and "mismatch/seq_ratio_p1" in mismatch
     for backend in (fsdp, mega):
         for key in ("train/pg_loss", "train/loss", "train/entropy", "train/kl",
-                    "train/ppo_kl", "train/rollout_logprob_abs_diff"):
+                    "train/ppo_kl", *mismatch):
             assert backend["rl1"][key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
         assert backend["rl1"]["train/grad_norm"] == pytest.approx(norm, rel=1e-4)
     plain, norm = _plain_step(fsdp["w1"], batch, sft=True)

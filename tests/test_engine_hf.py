@@ -652,3 +652,27 @@ def test_lean_forward_logprobs_on_smollm2_match_a_fresh_forward():
         want = lp[torch.arange(n - 1, len(seq) - 1), torch.tensor(seq[n:])]
         worst = max(worst, (torch.tensor(got) - want).abs().max().item())
     assert worst < 1e-4, worst
+
+
+def test_weight_noise_perturbs_every_load_the_same_way(tiny_model_path):
+    """--weight-noise (rollout.weight_noise) multiplies each weight the engine loads, at
+    start-up and on every update, by 1 + s * eps with eps fixed per tensor name: a known
+    mismatch that does not pile up over pushes and is the same on every engine."""
+    import os
+    import zlib
+
+    from safetensors.torch import load_file
+
+    from rollout.engines.hf.server import Server, parse_args
+
+    noisy = Server(parse_args(["--model-path", tiny_model_path, "--max-context-len", str(CTX),
+                               "--weight-noise", "0.05"]))
+    name = "model.layers.0.mlp.up_proj.weight"
+    w = load_file(os.path.join(tiny_model_path, "model.safetensors"))[name]
+    eps = torch.randn(tuple(w.shape), generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+    loaded = dict(noisy.model.named_parameters())[name]
+    torch.testing.assert_close(loaded, w * (1 + 0.05 * eps))
+    assert (loaded / w - 1).std().item() == pytest.approx(0.05, rel=0.1)
+    for _ in range(2):  # twice: the noise is re-applied to what is loaded, not accumulated
+        noisy._apply([(name, w * 2)], {"flush_cache": False})
+        torch.testing.assert_close(loaded, 2 * w * (1 + 0.05 * eps))

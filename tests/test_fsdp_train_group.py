@@ -75,10 +75,12 @@ def test_buckets_gathered_in_the_engine_dtype_are_the_full_tensors_cast(group2):
 
 @pytest.mark.parametrize("algo", [
     {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.05, "entropy_coef": 0.01},
-    # Token-level advantages whitened over both ranks, KL in the reward, GSPO, TIS.
+    # Token-level advantages whitened over both ranks, KL in the reward, GSPO, ICEPOP with
+    # bounds that mask some tokens.
     {"advantage_estimator": "reinforce_pp", "policy_loss": "gspo", "kl_coef": 0.05,
-     "kl_type": "k3", "tis_clip": 2.0, "loss_agg": "seq_mean_token_sum_norm"},
-], ids=["ppo-kl-entropy", "reinforce_pp-gspo-tis"])
+     "kl_type": "k3", "rollout_correction": "icepop", "correction_low": 0.9,
+     "correction_high": 1.1, "loss_agg": "seq_mean_token_sum_norm"},
+], ids=["ppo-kl-entropy", "reinforce_pp-gspo-icepop"])
 def test_two_ranks_equal_one_rank(ray_local, tiny_model_path, algo):
     batch = make_batch(num_groups=4, group_size=4, seed=3)
     # Two optimizer steps (old log-probs from a forward) and small micro-batches, so the
@@ -93,7 +95,15 @@ def test_two_ranks_equal_one_rank(ray_local, tiny_model_path, algo):
         finally:
             group.shutdown()
     (m1, p1), (m2, p2) = results[1], results[2]
-    for key in ("train/pg_loss", "train/kl", "train/entropy", "train/grad_norm", "train/ppo_kl"):
+    # The mismatch metrics: sums all-reduced, quantiles and maxima from both ranks' sketches.
+    mismatch = [k for k in m1 if k.startswith("mismatch/")]
+    assert sorted(mismatch) == sorted(k for k in m2 if k.startswith("mismatch/"))
+    assert {"mismatch/token_ratio_p1", "mismatch/seq_ratio_max",
+            "mismatch/logprob_abs_diff_max"} <= set(mismatch)
+    if "rollout_correction" in algo:
+        assert 0 < m1["mismatch/token_masked_frac"] < 1
+    for key in ("train/pg_loss", "train/kl", "train/entropy", "train/grad_norm", "train/ppo_kl",
+                *mismatch):
         assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
     assert m1["train/optimizer_steps"] == 2
     # grad_norm above pins the gradient scale (Adam's update is scale-invariant). Adam
@@ -172,7 +182,7 @@ def test_train_step_improves_objective_and_sft_lowers_nll(group2):
     metrics = group2.train_step(batch)
     assert _surrogate(group2, batch) > before
     for key in ("train/pg_loss", "train/pg_clipfrac", "train/entropy", "train/grad_norm",
-                "train/lr", "train/ppo_kl", "train/rollout_logprob_abs_diff", "perf/train_time"):
+                "train/lr", "train/ppo_kl", "mismatch/logprob_abs_diff", "perf/train_time"):
         assert key in metrics, key
     losses = [group2.sft_step(batch)["train/sft_loss"] for _ in range(3)]
     assert losses[2] < losses[0]

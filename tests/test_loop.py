@@ -102,10 +102,16 @@ def test_short_run_learns_something_and_writes_its_run_dir(tmp_path, tiny_model_
         assert math.isfinite(r["rollout/raw_reward"]) and r["perf/weight_sync_bytes"] > 0
     # A step whose rewards are all equal has no advantage to train on (skipped); steps 2-3
     # must have had a signal, or the comparison below would not involve RL.
-    trained = [r for r in steps if "train/rollout_logprob_abs_diff" in r]  # samples ran
+    trained = [r for r in steps if "mismatch/logprob_abs_diff" in r]  # samples ran
     assert all(math.isfinite(r["train/pg_loss"]) for r in trained)
     assert {r["step"] for r in trained} & {2, 3}, [r.get("train/skipped_samples") for r in steps]
-    assert "step 3/3" in run.output
+    # The train/rollout mismatch, every step that trained: fp32 engines and trainer agree
+    # to float rounding, and the colocated loop is never stale.
+    for r in trained:
+        assert r["mismatch/logprob_abs_diff"] < 1e-4 and r["mismatch/k3_kl"] < 1e-6
+        assert 0.999 < r["mismatch/token_ratio_p1"] <= r["mismatch/token_ratio_p99"] < 1.001
+        assert r["mismatch/seq_ratio_max"] < 1.01 and r["mismatch/staleness_max"] == 0
+    assert "step 3/3" in run.output and " | gap " in run.output
     ckpts = run.run_dir / "checkpoints"
     exported = {s: load_file(str(ckpts / f"step_{s:06d}" / "hf" / "model.safetensors"))
                 for s in (1, 3)}

@@ -48,8 +48,8 @@ def test_a_narrow_terminal_drops_the_least_important_columns_first():
 def test_curves_png_has_the_training_and_eval_curves(tmp_path):
     rows = [{"step": 0, **{f"initial/{k}": v for k, v in _metrics(0.0).items()}},
             {"step": 0, **{f"base/{k}": v for k, v in _metrics(0.5).items()}}]
-    rows += [{"step": s, "rollout/raw_reward": 0.1 * s, "rollout/success_rate": 0.2 * s}
-             for s in range(1, 5)]
+    rows += [{"step": s, "rollout/raw_reward": 0.1 * s, "rollout/success_rate": 0.2 * s,
+              **_mismatch_row(s)} for s in range(1, 5)]
     rows += [{"step": 4, **{f"trained/{k}": v for k, v in _metrics(0.75).items()}}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows)
                                             + '{"step": 5, "rollout/raw')  # cut short by a crash
@@ -62,8 +62,35 @@ def test_curves_png_has_the_training_and_eval_curves(tmp_path):
     with Image.open(out) as img:
         img.verify()
         width, height = img.size
-    assert width > height > 400  # 2 rollout + 4 eval panels: two rows of three
+    # 2 rollout + 4 eval + 3 mismatch panels (gap, ratios, cut): three rows of three
+    assert width > height > 900
 
 
 def test_no_metrics_yet_means_no_plot(tmp_path):
     assert plot_curves(tmp_path) is None and not (tmp_path / "curves.png").exists()
+
+
+def _mismatch_row(step: int) -> dict[str, float]:
+    return {"mismatch/logprob_abs_diff": 0.0 if step == 1 else 0.01 * step,  # 0: fp32 engines
+            "mismatch/logprob_abs_diff_max": 0.3, "mismatch/k3_kl": 1e-4 * step,
+            **{f"mismatch/{level}_ratio_{q}": v for level in ("token", "seq")
+               for q, v in (("p1", 0.8), ("p50", 1.0), ("p99", 1.3))},
+            "mismatch/token_masked_frac": 0.01, "mismatch/seq_masked_frac": 0.1,
+            "mismatch/staleness_mean": 0.0, "mismatch/staleness_max": 0.0}
+
+
+def test_mismatch_panels_show_what_the_run_logged():
+    """Gap, importance-ratio quantiles and what the correction cut, every step; staleness
+    only once a batch was stale."""
+    from trainer.driver.report import _mismatch_panels
+
+    series: dict = {}
+    for step in range(1, 5):
+        for key, value in _mismatch_row(step).items():
+            series.setdefault(key, {})[step] = value
+    panels = _mismatch_panels(series)
+    assert [p[0] for p in panels] == ["train/rollout gap", "importance ratio pi_train / pi_rollout",
+                                      "cut by the rollout correction"]
+    assert [k for k, _ in panels[2][1]] == ["mismatch/token_masked_frac", "mismatch/seq_masked_frac"]
+    series["mismatch/staleness_max"][3] = 2.0
+    assert _mismatch_panels(series)[-1][0].startswith("staleness")

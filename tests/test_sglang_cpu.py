@@ -273,12 +273,12 @@ def test_default_recipe_trains_colocated_on_real_sglang(tmp_path):
     assert [r["step"] for r in steps] == [1, 2, 3]
     # A step whose groups all scored alike trains no sample (train.skip_zero_advantage),
     # so it has no gap to report; the others must show a small one.
-    gaps = [r for r in steps if "train/rollout_logprob_abs_diff" in r]
+    gaps = [r for r in steps if "mismatch/logprob_abs_diff" in r]
     assert gaps, "no step trained a sample"
     for r in gaps:
         print(f"step {r['step']}: rollout/trainer log-prob gap "
-              f"{r['train/rollout_logprob_abs_diff']:.4f}, sync {r['perf/weight_sync_time']:.2f}s")
-        assert r["train/rollout_logprob_abs_diff"] < 0.05
+              f"{r['mismatch/logprob_abs_diff']:.4f}, sync {r['perf/weight_sync_time']:.2f}s")
+        assert r["mismatch/logprob_abs_diff"] < 0.05
 
 
 # ---- Qwen3.5 (hybrid: Gated DeltaNet + gated attention) --------------------------------

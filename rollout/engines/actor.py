@@ -101,6 +101,7 @@ class HFLaunch(LaunchSpec):
     uses_port_file: bool = True
     # The SGLang contract the server speaks (routes and rules of that version).
     contract_version: Optional[str] = None
+    weight_noise: float = 0.0  # rollout.weight_noise
 
     def command(self, port: int, port_file: Optional[str], host: str) -> list[str]:
         cmd = [self.python, "-m", "rollout.engines.hf.server", "--model-path", self.model_path,
@@ -116,6 +117,8 @@ class HFLaunch(LaunchSpec):
             cmd += ["--max-context-len", str(self.max_context_len)]
         if self.contract_version:
             cmd += ["--contract-version", self.contract_version]
+        if self.weight_noise:
+            cmd += ["--weight-noise", repr(self.weight_noise)]
         return cmd
 
 
@@ -418,7 +421,8 @@ def spec_from_config(config, model_path: str, *, engine_kind: Optional[str] = No
                   max_context_len=m.max_context_len, dtype=r.dtype or m.dtype,
                   torch_threads=c.torch_threads)
     if kind == "hf":
-        return HFLaunch(attn_implementation=m.attn_implementation, **common)
+        return HFLaunch(attn_implementation=m.attn_implementation, weight_noise=r.weight_noise,
+                        **common)
     if kind == "sglang":
         return SGLangLaunch(device=c.device, tp_size=r.num_gpus_per_engine,
                             mem_fraction_static=r.mem_fraction_static, base_gpu_id=base_gpu_id,

@@ -34,6 +34,7 @@ from trainer.driver.checkpoint import CheckpointManager, preflight_output_dir
 from config import HomegymConfig, to_dict
 from trainer.driver.memory_plan import check_memory
 from trainer.driver.metrics import MetricsLogger, redact, timed, write_json
+from trainer.driver.mismatch_watch import MismatchWatch, staleness_metrics
 from trainer.driver.pipeline import RolloutPipeline
 from rollout.batch_ref import BatchRef
 from rollout.models import resolve_model_path
@@ -90,6 +91,7 @@ class Driver:
         self.logger: MetricsLogger | None = None
         self.evals: dict[str, dict[str, float]] = {}
         self.policy_version: int | None = None  # the version the engines hold
+        self.mismatch_watch = MismatchWatch(config.algo)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> RunResult:
@@ -114,6 +116,7 @@ class Driver:
             for step, metrics in steps(start_step):
                 watchdog.kick(f"step {step}")
                 self.logger.log(step, metrics)
+                self.mismatch_watch.check(step, metrics)
                 saved = bool(cfg.train.save_interval and step % cfg.train.save_interval == 0)
                 if saved:
                     self.save(step)
@@ -258,7 +261,7 @@ class Driver:
         return phase() or {}
 
     def train(self, step: int, batch: BatchRef) -> dict[str, float]:
-        metrics: dict[str, float] = {}
+        metrics = staleness_metrics(batch.weight_versions, self.policy_version or 0)
         with timed(metrics, "perf/train_time"):
             # The ref itself, as a top-level argument: each rank resolves it.
             metrics.update(self.rt.train_group.train_step(batch.ref))

@@ -52,6 +52,24 @@ def _fmt_duration(seconds: float) -> str:
     return f"{seconds}s"
 
 
+def mismatch_summary(m: dict[str, float]) -> str:
+    """The train/rollout mismatch of a step in a few words: mean and max |log p_train -
+    log p_rollout|, k3 KL, what the correction cut and how stale the batch was."""
+    if "mismatch/logprob_abs_diff" not in m:
+        return ""
+    text = f"gap {m['mismatch/logprob_abs_diff']:.4f}"
+    if "mismatch/logprob_abs_diff_max" in m:
+        text += f" max {m['mismatch/logprob_abs_diff_max']:.3f}"
+    if "mismatch/k3_kl" in m:
+        text += f" k3 {m['mismatch/k3_kl']:.1e}"
+    cut = m.get("mismatch/token_masked_frac", 0.0) + m.get("mismatch/token_clipped_frac", 0.0)
+    if cut > 0:
+        text += f" cut {cut:.1%}"
+    if m.get("mismatch/staleness_max", 0.0) > 0:
+        text += f" stale {m['mismatch/staleness_mean']:.2f}"
+    return text
+
+
 class MetricsLogger:
     def __init__(self, config: HomegymConfig, run_dir: Path, *, total_steps: int) -> None:
         self.run_dir = Path(run_dir)
@@ -110,6 +128,8 @@ class MetricsLogger:
         ):
             if key in m:
                 parts.append(f"{label} {fmt.format(m[key])}")
+        if (gap := mismatch_summary(m)):
+            parts.append(gap)
         parts.append(f"{per_step:.2f}s/step ETA {_fmt_duration(eta)}")
         return " | ".join(parts)
 

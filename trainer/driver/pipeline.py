@@ -23,6 +23,12 @@ from rollout.sample import RolloutBatch
 Queued = tuple[BatchRef, dict[str, float]]
 
 
+def sample_staleness(weight_versions: Sequence[int], version: int) -> list[int]:
+    """Per sample: policy versions between ``version`` and its oldest token's (0 for a
+    sample from an engine on no pushed policy, version -1: it serves the start-up weights)."""
+    return [version - v if v >= 0 else 0 for v in weight_versions]
+
+
 def filter_stale(batch, *, version: int, max_staleness: int,
                  drop: bool) -> tuple[Optional[list[int]], dict[str, float]]:
     """Staleness of each sample = policy version now - version of its oldest token.
@@ -31,7 +37,7 @@ def filter_stale(batch, *, version: int, max_staleness: int,
     ``batch`` is a ``RolloutBatch`` or a ``BatchRef`` (only ``group_ids`` and
     ``weight_versions`` are read). Returns the indices of the samples to keep, or None to
     keep the batch as it is, and the ``async/*`` metrics."""
-    staleness = [version - v if v >= 0 else 0 for v in batch.weight_versions]
+    staleness = sample_staleness(batch.weight_versions, version)
     metrics = {f"async/staleness_{d}": float(staleness.count(d)) for d in sorted(set(staleness))}
     metrics["async/max_staleness"] = float(max(staleness, default=0))
     # From an engine on no pushed policy (a restarted one serving its start-up weights).

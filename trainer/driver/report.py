@@ -5,7 +5,8 @@
 - ``terminal_eval_table``: the same rows in at most 100 columns for the console, the
   least important columns dropped first.
 - ``plot_curves``: ``<run_dir>/curves.png`` from metrics.jsonl: rollout reward and success
-  per step, and each evaluation metric at the steps it was measured.
+  per step, each evaluation metric at the steps it was measured, and the train/rollout
+  mismatch per step (gap, importance-ratio quantiles, what the correction cut, staleness).
 """
 
 from __future__ import annotations
@@ -137,6 +138,34 @@ def _read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+# The train/rollout mismatch panels: (title, [(metric, label)], y scale, as percentages).
+MISMATCH_PANELS = (
+    ("train/rollout gap", [("mismatch/logprob_abs_diff", "mean |logp diff|"),
+                           ("mismatch/logprob_abs_diff_max", "max |logp diff|"),
+                           ("mismatch/k3_kl", "k3 KL")], "symlog", False),
+    ("importance ratio pi_train / pi_rollout",
+     [(f"mismatch/{level}_ratio_{q}", f"{level} {q}") for level in ("token", "seq")
+      for q in ("p1", "p50", "p99")], "log", False),
+    ("cut by the rollout correction",
+     [(f"mismatch/{level}_{what}_frac", f"{level}s {what}") for level in ("token", "seq")
+      for what in ("masked", "clipped")], "linear", True),
+    ("staleness (policy versions)", [("mismatch/staleness_mean", "mean"),
+                                     ("mismatch/staleness_max", "max")], "linear", False),
+)
+
+
+def _mismatch_panels(series: dict[str, dict[int, float]]) -> list[tuple]:
+    """The mismatch panels that have data; staleness only when some batch was stale."""
+    out = []
+    for title, lines, scale, percent in MISMATCH_PANELS:
+        lines = [(key, label) for key, label in lines if key in series]
+        if not lines or (title.startswith("staleness")
+                         and not any(series.get("mismatch/staleness_max", {}).values())):
+            continue
+        out.append((title, lines, scale, percent))
+    return out
+
+
 def plot_curves(run_dir: Path, out: Optional[Path] = None) -> Optional[Path]:
     """Write ``<run_dir>/curves.png`` from ``metrics.jsonl``; returns its path, or None when
     there is nothing to plot yet. A resumed run's repeated steps use their latest value."""
@@ -152,7 +181,7 @@ def plot_curves(run_dir: Path, out: Optional[Path] = None) -> Optional[Path]:
     for row in rows:
         step = int(row["step"])
         for key, value in row.items():
-            if key in ("rollout/raw_reward", "rollout/success_rate"):
+            if key in ("rollout/raw_reward", "rollout/success_rate") or key.startswith("mismatch/"):
                 train.setdefault(key, {})[step] = value
             elif (m := _EVAL_KEY.match(key)) is not None:
                 evals.setdefault((m["metric"], m["prefix"]), {})[m["name"]] = (step, value)
@@ -161,10 +190,12 @@ def plot_curves(run_dir: Path, out: Optional[Path] = None) -> Optional[Path]:
               if key in train]
     panels += [(metric, f"eval {title}") for metric, title, _ in EVAL_COLUMNS
                if any(k[0] == metric for k in evals)]
+    mismatch = _mismatch_panels(train)
     if not panels:
         return None
-    ncols = 3 if len(panels) > 4 else 2 if len(panels) > 1 else 1
-    nrows = -(-len(panels) // ncols)
+    count = len(panels) + len(mismatch)
+    ncols = 3 if count > 4 else 2 if count > 1 else 1
+    nrows = -(-count // ncols)
     fig = Figure(figsize=(5.2 * ncols, 3.4 * nrows), layout="constrained")
     FigureCanvasAgg(fig)
     fig.suptitle(run_dir.name)
@@ -198,6 +229,19 @@ def plot_curves(run_dir: Path, out: Optional[Path] = None) -> Optional[Path]:
         if key.endswith(("success_rate", "format_error_rate")):
             ax.set_ylim(-0.03, 1.03)
             ax.yaxis.set_major_formatter("{x:.0%}")
+    for i, (title, lines, scale, percent) in enumerate(mismatch, start=len(panels)):
+        ax = fig.add_subplot(nrows, ncols, i + 1)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        for j, (key, label) in enumerate(lines):
+            steps = sorted(train[key])
+            ax.plot(steps, [train[key][s] for s in steps], color=f"C{j}", marker=".", label=label)
+        # symlog: a gap of exactly 0 (fp32 engines and trainer) stays on the plot.
+        ax.set_yscale(scale, **({"linthresh": 1e-6} if scale == "symlog" else {}))
+        if percent:
+            ax.yaxis.set_major_formatter("{x:.0%}")
+        ax.legend(fontsize="small")
     out = Path(out) if out is not None else run_dir / "curves.png"
     tmp = out.with_name(out.name + ".tmp")
     fig.savefig(tmp, format="png", dpi=100)

@@ -59,6 +59,9 @@ class TrainActor:
     def sft_step(self, batch) -> dict[str, float]:
         return self.backend.sft_step(batch)
 
+    def set_algo(self, algo) -> None:
+        self.backend.set_algo(algo)
+
     def log_probs(self, batch) -> Optional[list]:
         out = self.backend.log_probs(batch)
         return out if self.rank == 0 else None
@@ -199,6 +202,11 @@ class TrainGroup:
     def sft_step(self, batch) -> dict[str, float]:
         """One supervised (warm-up) optimizer step."""
         return self._with_batch("sft_step", batch)
+
+    def set_algo(self, algo) -> None:
+        """Swap the loss settings (``AlgoConfig``) of every rank between steps
+        (``StepLoop.set_algo``)."""
+        self._all("set_algo", algo)
 
     def log_probs(self, batch) -> list:
         """Per sample, the current policy's response-token log-probs (CPU tensors)."""

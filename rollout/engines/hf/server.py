@@ -31,7 +31,8 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Optional
+import zlib
+from typing import Any, Iterable, Optional
 
 import orjson
 import torch
@@ -70,6 +71,19 @@ class BadRequest(ValueError):
 
 class StartupError(RuntimeError):
     """What this server cannot serve: one line, exit status 2."""
+
+
+def perturb(named: Iterable[tuple[str, torch.Tensor]], scale: float) -> None:
+    """w <- w * (1 + scale * eps) in place, eps ~ N(0, 1) drawn from a generator seeded by
+    the tensor's name: every engine and every weight update gets the same perturbation, a
+    known, steady train/rollout mismatch for tests and benchmarks (``--weight-noise``)."""
+    with torch.no_grad():
+        for name, tensor in named:
+            if not tensor.is_floating_point():
+                continue
+            gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            eps = torch.randn(tuple(tensor.shape), generator=gen, dtype=torch.float32)
+            tensor.mul_((1.0 + scale * eps).to(tensor.dtype))
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -156,6 +170,8 @@ class Server:
             args.model_path, dtype=DTYPES[args.dtype], attn_implementation=attn)
         self.model.eval()
         self.vlm_checkpoint = is_vlm(read_config(args.model_path))
+        if args.weight_noise:
+            perturb(self.model.named_parameters(), args.weight_noise)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.max_context_len = int(args.max_context_len or getattr(cfg, "max_position_embeddings", 4096))
@@ -577,6 +593,8 @@ class Server:
         with torch.no_grad():
             for name, tensor in named:
                 sd[name].copy_(tensor)
+        if self.args.weight_noise:
+            perturb(((name, sd[name]) for name, _ in named), self.args.weight_noise)
         self.batcher.prefix_cache.clear()  # cached KV belongs to the old weights
         if version is not None:
             self.batcher.weight_version = str(version)
@@ -769,6 +787,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--disable-fast-attention", action="store_true",
                    help="use transformers' eager attention as is (see hf/fast_kernels.py)")
     p.add_argument("--weight-version", default="default")
+    p.add_argument("--weight-noise", type=float, default=0.0,
+                   help="extension, for tests and benchmarks: multiply every weight loaded by "
+                        "1 + NOISE * N(0, 1), fixed per tensor name (a known mismatch)")
     p.add_argument("--prefix-cache-mb", type=float, default=256,
                    help="KV of finished sequences kept for multi-turn prompts (0 = off)")
     p.add_argument("--log-level", default="warning")
@@ -778,6 +799,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.torch_threads < 1:
         p.error("--torch-threads must be >= 1")
+    if args.weight_noise < 0:
+        p.error("--weight-noise must be >= 0")
     return args
 
 

@@ -27,9 +27,10 @@ class LossNorms:
 
     num_tokens: model tokens (loss_mask 1) in the step; num_seqs: samples in the step;
     norm_len: the constant length Dr.GRPO divides token sums by (the step's longest
-    response), so the loss does not favour short or long answers; num_rollout_tokens:
-    model tokens whose sample carries engine log-probs (for the mismatch metric; None =
-    all of them); metric_tokens: model tokens of the samples that ran forward (the
+    response), so the loss does not favour short or long answers; num_rollout_tokens and
+    num_rollout_seqs: model tokens, and samples with model tokens, that ran forward and
+    carry engine log-probs (the denominators of the mismatch metrics; None = num_tokens,
+    num_seqs); metric_tokens: model tokens of the samples that ran forward (the
     denominator of token-mean metrics when zero-advantage samples are skipped; None =
     num_tokens).
     """
@@ -39,6 +40,7 @@ class LossNorms:
     norm_len: int
     num_rollout_tokens: Optional[int] = None
     metric_tokens: Optional[int] = None
+    num_rollout_seqs: Optional[int] = None
 
     def __post_init__(self) -> None:
         if min(self.num_tokens, self.num_seqs, self.norm_len) < 0:
@@ -128,13 +130,34 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     return loss, (clipped > unclipped).float()
 
 
-def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, clip: float) -> torch.Tensor:
-    """Truncated importance weights min(pi_old / pi_rollout, clip), no gradient.
+def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
+               eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5): -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log p.
 
-    The engine samples with its own numerics (and, async, an older policy); this corrects
-    the policy gradient for that mismatch while bounding the variance.
+    The importance ratio is clipped and treated as a constant weight, and the gradient runs
+    through log p, so a clipped token still contributes gradient (PPO-clip drops it). The
+    paper leaves the lower side unbounded (eps_low >= 1 does that here). Returns per-token
+    (loss, clipped) like ppo_clip_loss.
     """
-    return torch.exp(old_logp - rollout_logp).clamp(max=clip).detach()
+    ratio = torch.exp(logp - old_logp).detach()
+    weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    return -weight * advantages * logp, (weight != ratio).float()
+
+
+def sapo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
+              tau_pos: float, tau_neg: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """SAPO (Qwen, arXiv 2511.20347): -f(r) A with the smooth gate f(r) = 4/tau sigmoid(tau (r - 1)).
+
+    In place of the hard clip, the gradient weight f'(r) r = 4 sigma (1 - sigma) r is 1 on
+    policy and decays smoothly as r leaves 1; tau is tau_pos for A > 0 and tau_neg (larger:
+    negative updates are damped faster) otherwise. Nothing is clipped: the second value is
+    zeros. The log-ratio is clamped to +-20 as in verl, where the gate is flat anyway, so
+    an extreme ratio cannot turn the gradient into inf * 0.
+    """
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return -gate * advantages, torch.zeros_like(ratio)
 
 
 def aggregate(values: torch.Tensor, loss_mask: torch.Tensor, seq_idx: torch.Tensor,

@@ -13,8 +13,11 @@ from typing import Callable, Optional
 
 import torch
 
+from trainer.training.algo.advantages import segment_sum
+from trainer.training.algo.corrections import apply_correction
 from trainer.training.algo.losses import (
-    LossNorms, aggregate, gspo_loss, kl_penalty, ppo_clip_loss, tis_weights)
+    LossNorms, aggregate, cispo_loss, gspo_loss, kl_penalty, ppo_clip_loss, sapo_loss)
+from trainer.training.algo.mismatch import RatioSketch, mismatch_sums
 from config import PolicyLoss, choices
 
 
@@ -49,19 +52,30 @@ def _gspo(algo, inputs: "TokenInputs", log_probs, old, mask, eps_high):
                      eps_low=algo.eps_clip, eps_high=eps_high)
 
 
+def _cispo(algo, inputs: "TokenInputs", log_probs, old, mask, eps_high):
+    return cispo_loss(log_probs, old, inputs.advantages, eps_low=algo.eps_clip, eps_high=eps_high)
+
+
+def _sapo(algo, inputs: "TokenInputs", log_probs, old, mask, eps_high):
+    return sapo_loss(log_probs, old, inputs.advantages, tau_pos=algo.sapo_tau_pos,
+                     tau_neg=algo.sapo_tau_neg)
+
+
 # RL policy losses: per-token (loss, clipped); "sft" is sft_objective's.
 POLICY_LOSSES: dict[PolicyLoss, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
-    "ppo": _ppo, "gspo": _gspo}
+    "ppo": _ppo, "gspo": _gspo, "cispo": _cispo, "sapo": _sapo}
 assert set(POLICY_LOSSES) | {"sft"} == set(choices(PolicyLoss))
 
 
 def policy_objective(algo, inputs: TokenInputs, log_probs: torch.Tensor,
                      entropy: Optional[torch.Tensor], norms: LossNorms,
+                     ratios: Optional[RatioSketch] = None,
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """RL loss (PPO or GSPO + KL + entropy bonus, with TIS) of one micro-batch.
+    """RL loss (policy loss x rollout correction + KL + entropy bonus) of one micro-batch.
 
     ``algo`` is the ``AlgoConfig``. ``entropy`` may be None when algo.entropy_coef is 0
-    and the caller does not want the metric.
+    and the caller does not want the metric. ``ratios``, when given, collects this
+    micro-batch's log importance ratios for the step's quantile metrics.
     """
     mask = inputs.loss_mask.to(log_probs.dtype)
     # With one optimizer step per rollout the "old" policy is the current one: using
@@ -74,25 +88,33 @@ def policy_objective(algo, inputs: TokenInputs, log_probs: torch.Tensor,
     pg, clipped = POLICY_LOSSES[algo.policy_loss](algo, inputs, log_probs, old, mask, eps_high)
 
     metrics: dict[str, torch.Tensor] = {}
+    # The mismatch between the engine that sampled and the trainer, over model tokens of
+    # samples with engine log-probs (custom generate code may not record them).
     has_rollout = (inputs.rollout_mask.to(log_probs.dtype) if inputs.rollout_mask is not None
                    else torch.ones_like(mask))
-    if algo.tis_clip is not None:
-        weights = tis_weights(old, inputs.rollout_log_probs, algo.tis_clip)
-        # No engine log-probs, no correction: weight 1 for those samples.
-        weights = torch.where(has_rollout > 0, weights, torch.ones_like(weights))
-        pg = pg * weights
-        metrics["train/tis_weight"] = _token_mean(weights, mask, norms)
+    rollout_mask = mask * has_rollout
+    log_ratio = (old.detach() - inputs.rollout_log_probs) * rollout_mask
+    low, high = algo.correction_bounds
+    corrected = apply_correction(algo.rollout_correction, log_ratio, rollout_mask,
+                                 inputs.seq_idx, inputs.num_seqs, low=low, high=high)
+    pg = pg * corrected.weights
+    num_rollout = (norms.num_rollout_tokens if norms.num_rollout_tokens is not None
+                   else norms.num_tokens)
+    num_rollout_seqs = (norms.num_rollout_seqs if norms.num_rollout_seqs is not None
+                        else norms.num_seqs)
+    metrics.update(mismatch_sums(
+        log_ratio, rollout_mask, corrected if algo.rollout_correction != "none" else None,
+        num_tokens=num_rollout, num_seqs=num_rollout_seqs))
+    if ratios is not None:
+        counts = segment_sum(rollout_mask, inputs.seq_idx, inputs.num_seqs)
+        ratios.add(log_ratio, segment_sum(log_ratio, inputs.seq_idx, inputs.num_seqs),
+                   rollout_mask > 0, counts > 0)
     agg = dict(mode=algo.loss_agg, norms=norms)
     pg_loss = aggregate(pg, mask, inputs.seq_idx, inputs.num_seqs, **agg)
     loss = pg_loss
     metrics["train/pg_loss"] = pg_loss.detach()
     metrics["train/pg_clipfrac"] = _token_mean(clipped, mask, norms)
     metrics["train/ppo_kl"] = _token_mean(old - log_probs, mask, norms)
-    num_rollout = (norms.num_rollout_tokens if norms.num_rollout_tokens is not None
-                   else norms.num_tokens)
-    metrics["train/rollout_logprob_abs_diff"] = (
-        ((old - inputs.rollout_log_probs).abs().detach() * mask * has_rollout).sum()
-        / max(num_rollout, 1))
 
     if inputs.ref_log_probs is not None:
         kl = kl_penalty(log_probs, inputs.ref_log_probs, algo.kl_type)

@@ -357,9 +357,10 @@ def step_norms(batch: BatchLike, sample_range: Sequence[int],
     ``skip`` (no forward: their loss is zero) still count in the loss's denominators, so
     skipping them leaves the gradient unchanged; metrics average over the rest."""
     ran = [i for i in sample_range if i not in skip]
+    with_rollout = [i for i in ran if batch.rollout_log_probs[i] and any(batch.loss_masks[i])]
     return LossNorms(num_tokens=sum(sum(batch.loss_masks[i]) for i in sample_range),
                      num_seqs=len(sample_range),
                      norm_len=max(batch.response_lengths[i] for i in sample_range),
-                     num_rollout_tokens=sum(sum(batch.loss_masks[i]) for i in ran
-                                            if batch.rollout_log_probs[i]),
-                     metric_tokens=sum(sum(batch.loss_masks[i]) for i in ran))
+                     num_rollout_tokens=sum(sum(batch.loss_masks[i]) for i in with_rollout),
+                     metric_tokens=sum(sum(batch.loss_masks[i]) for i in ran),
+                     num_rollout_seqs=len(with_rollout))

@@ -13,6 +13,7 @@ moments), and the reassembly of per-sample log-probs computed on different ranks
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Optional
 
@@ -22,6 +23,8 @@ import torch.distributed as dist
 from trainer.training.algo.advantages import (
     SEQUENCE_ESTIMATORS, masked_whiten, reinforce_pp_returns, sequence_advantages)
 from trainer.training.algo.losses import kl_penalty
+from trainer.training.algo.mismatch import (
+    RatioSketch, merge_sketches, ratio_metrics, sum_metric_keys)
 from trainer.training.algo.objective import TokenInputs, policy_objective, sft_objective
 from trainer.training.backends.batching import (
     BatchLike, MicroBatch, check_batch, minibatch_ranges, step_norms)
@@ -120,13 +123,19 @@ SFT_METRIC_KEYS = frozenset({"train/sft_loss"})
 
 def rl_metric_keys(algo, *, with_reference: bool) -> frozenset[str]:
     """Every metric name ``policy_objective`` can emit with ``algo`` (AlgoConfig)."""
-    keys = {"train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/loss",
-            "train/rollout_logprob_abs_diff", "train/entropy"}
-    if algo.tis_clip is not None:
-        keys.add("train/tis_weight")
+    keys = {"train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/loss", "train/entropy"}
+    keys |= sum_metric_keys(algo.rollout_correction != "none")
     if with_reference:
         keys.add("train/kl")
     return frozenset(keys)
+
+
+def gathered_ratio_metrics(ratios: RatioSketch, *, contribute: bool) -> dict[str, float]:
+    """The step's max and quantile mismatch metrics over every rank's tokens (collective:
+    every rank calls it; ``contribute`` False sends nothing, e.g. non-first TP ranks)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, ratios.sketch() if contribute else None)
+    return ratio_metrics(merge_sketches(gathered))
 
 
 # loss_of(j, mb, log_probs, entropy) -> the loss of micro-batch j of an optimizer step.
@@ -182,7 +191,22 @@ class StepLoop:
         step can emit (for ranks that compute no loss, e.g. early pipeline stages)."""
         raise NotImplementedError
 
+    def _owns_outputs(self) -> bool:
+        """Whether this rank's per-token results (log-probs, mismatch ratios) are its own:
+        False where they duplicate another rank's or do not exist (Megatron: all but the
+        first tensor-parallel rank of the last pipeline stage)."""
+        return True
+
     # ----------------------------------------------------------------- steps
+    def set_algo(self, algo) -> None:
+        """Swap the loss settings (an ``AlgoConfig``) between steps, so a sweep or a
+        benchmark compares algorithms on live ranks. Whether a reference model exists was
+        decided at ``init`` by ``kl_coef``, so a KL term cannot be switched on here."""
+        if algo.kl_coef > 0 and self.config.algo.kl_coef == 0:
+            raise ValueError("set_algo: algo.kl_coef > 0 needs a reference model, which "
+                             "ranks started with kl_coef=0 do not have")
+        self.config = dataclasses.replace(self.config, algo=algo)
+
     def _set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -212,6 +236,7 @@ class StepLoop:
         advantages = micro_batch_advantages(algo, batch, flat_mbs, pre, ref, self.device)
 
         sums: dict[str, torch.Tensor] = {}
+        ratios = RatioSketch()
         grad_norms, lrs = [], []
         base = 0  # index of the step's first micro-batch in flat_mbs
         for step_range, step_mbs in zip(ranges, mbs):
@@ -232,7 +257,7 @@ class StepLoop:
                     rollout_log_probs=mb.rollout_log_probs.to(dev),
                     rollout_mask=mb.rollout_mask.to(dev),
                     ref_log_probs=ref[k] if ref is not None else None)
-                loss, metrics = policy_objective(algo, inputs, logp, entropy, norms)
+                loss, metrics = policy_objective(algo, inputs, logp, entropy, norms, ratios)
                 _add(sums, metrics)
                 return loss
 
@@ -243,8 +268,11 @@ class StepLoop:
             self.optimizer_steps += 1
             base += len(step_mbs)
         keys = rl_metric_keys(algo, with_reference=ref is not None)
-        return train_step_metrics(self._all_reduce_metrics(sums, keys), grad_norms=grad_norms,
-                                  lrs=lrs, start=start, skipped=len(skip))
+        reduced = self._all_reduce_metrics(sums, keys)
+        out = train_step_metrics(reduced, grad_norms=grad_norms, lrs=lrs, start=start,
+                                 skipped=len(skip))
+        out.update(gathered_ratio_metrics(ratios, contribute=self._owns_outputs()))
+        return out
 
     def sft_step(self, batch: BatchLike) -> dict[str, float]:
         """One supervised optimizer step at ``warmup.lr`` (the RL LR schedule is untouched):

@@ -301,7 +301,7 @@ class MegatronBackend(StepLoop):
         mbs = [self._micro_batch(batch, ids) for ids in self._plan(batch, None)[0]]
         lps = self._forward_log_probs(self.model, mbs)
         return per_sample_log_probs(mbs, lps, num_samples=len(batch.tokens),
-                                    contribute=self.is_last and self.tp_rank == 0)
+                                    contribute=self._owns_outputs())
 
     # ----------------------------------------------------------------- training
     # StepLoop's hooks; the loop itself is trainer.training.backends.rl_step.
@@ -344,7 +344,10 @@ class MegatronBackend(StepLoop):
         unknown = set(sums) - set(keys)
         if unknown:  # every rank must all-reduce the same vector: keep the list complete
             raise RuntimeError(f"metrics {sorted(unknown)} missing from the step's metric keys")
-        return all_reduce_metric_sums(sums, keys, contributes=self.is_last and self.tp_rank == 0)
+        return all_reduce_metric_sums(sums, keys, contributes=self._owns_outputs())
+
+    def _owns_outputs(self) -> bool:
+        return self.is_last and self.tp_rank == 0
 
     # ----------------------------------------------------------------- weights
     def _export_layout(self) -> list[tuple[int, str]]:
