@@ -24,6 +24,8 @@ class Derived:
     lora_push: Optional[str]
     # train.share_prompts resolved (null = wherever it applies).
     share_prompts: bool
+    # Optimizer steps of the whole run: the horizon of the LR decay.
+    total_optimizer_steps: int
 
 
 def derive(config) -> Derived:
@@ -53,4 +55,15 @@ def derive(config) -> Derived:
         share_prompts = train.backend == "fsdp" and not train.gradient_checkpointing
 
     return Derived(label=label, num_engines=num_engines, weight_sync=weight_sync,
-                   lora_push=lora_push, share_prompts=share_prompts)
+                   lora_push=lora_push, share_prompts=share_prompts,
+                   total_optimizer_steps=total_optimizer_steps(rollout, train))
+
+
+def total_optimizer_steps(rollout, train) -> int:
+    """Optimizer steps of the whole run, the horizon of the LR decay (``rollout``:
+    RolloutConfig, ``train``: TrainConfig): ``train.num_steps`` rollouts of
+    rollout_batch_size x n_samples_per_prompt samples, ``global_batch_size`` samples per
+    optimizer step (None: the whole rollout)."""
+    samples = rollout.rollout_batch_size * rollout.n_samples_per_prompt
+    per_rollout = samples // (train.global_batch_size or samples)
+    return max(train.num_steps * per_rollout, 1)

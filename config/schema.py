@@ -12,6 +12,7 @@ This module imports no torch so that config handling stays cheap and usable anyw
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
@@ -607,6 +608,20 @@ class HomegymConfig:
             _check(not train.gradient_checkpointing, "train.share_prompts",
                    "cannot be combined with train.gradient_checkpointing")
         self.derived = derive(self)
+
+    # Only the driver holds the root config; every component gets the sections it uses
+    # (trainer/driver/components.py). Pickling is how anything reaches a Ray actor, so the
+    # root refuses it: an actor handed the whole config fails at once, naming the fix.
+    def __reduce__(self):
+        raise TypeError("the root HomegymConfig stays in the driver: hand a component the "
+                        "config sections it uses (trainer/driver/components.py)")
+
+    def __copy__(self) -> "HomegymConfig":
+        return dataclasses.replace(self)
+
+    def __deepcopy__(self, memo: dict) -> "HomegymConfig":
+        return dataclasses.replace(self, **{f.name: copy.deepcopy(getattr(self, f.name), memo)
+                                            for f in dataclasses.fields(self)})
 
 
 def register_schema() -> None:

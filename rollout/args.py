@@ -2,8 +2,9 @@
 
 slime-style code reads ``args.sglang_router_ip``, ``args.sglang_router_port`` and its own
 keys from ``rollout.extra_config`` (``args.max_turns``). Besides those, ``args`` exposes the
-run config (``args.config`` and its sections ``args.rollout``, ``args.model``, ...) and a
-few slime names for the same values, so ported code finds what it looks up.
+config sections the rollout side runs on (``args.model``, ``args.rollout``, ``args.data``,
+``args.env``) and a few slime names for the same values, so ported code finds what it
+looks up.
 """
 
 from __future__ import annotations
@@ -16,27 +17,26 @@ from rollout.plugins import load_object
 
 
 class RolloutArgs:
-    def __init__(self, config: Any, router_url: str) -> None:
+    def __init__(self, router_url: str, *, model: Any, rollout: Any, data: Any,
+                 env: Any) -> None:
         parsed = urlparse(router_url if "://" in router_url else f"http://{router_url}")
         if not parsed.hostname or not parsed.port:
             raise ValueError(f"router url {router_url!r} needs a host and a port")
-        r = config.rollout
-        self.config = config
-        for section in ("model", "cluster", "rollout", "algo", "train", "data", "env", "eval"):
-            setattr(self, section, getattr(config, section))
+        r = rollout
+        self.model, self.rollout, self.data, self.env = model, rollout, data, env
         self.router_url = f"http://{parsed.hostname}:{parsed.port}"
         self.sglang_router_ip = parsed.hostname
         self.sglang_router_port = parsed.port
         # slime's names for the same settings.
-        self.hf_checkpoint = config.model.path
+        self.hf_checkpoint = model.path
         self.rollout_batch_size = r.rollout_batch_size
         self.n_samples_per_prompt = r.n_samples_per_prompt
         self.rollout_max_response_len = r.max_response_len
         self.rollout_temperature = r.temperature
         self.rollout_top_p = r.top_p
         self.rollout_top_k = r.top_k
-        self.apply_chat_template_kwargs = dict(config.data.apply_chat_template_kwargs)
-        self.max_turns = config.env.max_turns  # extra_config may override below
+        self.apply_chat_template_kwargs = dict(data.apply_chat_template_kwargs)
+        self.max_turns = env.max_turns  # extra_config may override below
         for key, value in dict(r.extra_config).items():
             if not key.isidentifier():
                 raise ValueError(f"rollout.extra_config: key {key!r} is not a Python identifier"
@@ -44,7 +44,7 @@ class RolloutArgs:
             setattr(self, key, value)
 
     def __repr__(self) -> str:
-        return f"RolloutArgs(router={self.router_url}, recipe={self.config.derived.label!r})"
+        return f"RolloutArgs(router={self.router_url}, model={self.model.path!r})"
 
 
 def load_plugin(path: str, key: str) -> Callable[..., Any]:

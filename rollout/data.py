@@ -88,29 +88,27 @@ class DataSource:
 
     # ---- construction from config ---------------------------------------------------
     @classmethod
-    def from_config(cls, config: Any, split: str, tokenizer: Any,
-                    n_samples_per_prompt: Optional[int] = None) -> "DataSource":
+    def for_split(cls, split: str, tokenizer: Any, *, data: Any, env: Any,
+                  n_samples_per_prompt: int) -> "DataSource":
         """``split`` "train" reads data.path, "eval" data.eval_path; null means the rows
         come from the environment's ``dataset(split)``."""
-        data = config.data
         path = data.path if split == "train" else data.eval_path
         if path is not None:
             rows, origin = _load_rows(path), path
         else:
             from rollout.plugins import get_env_class
 
-            env_cls = get_env_class(config.env.name)
+            env_cls = get_env_class(env.name)
             try:
-                rows = env_cls.dataset(split, **dict(config.env.kwargs))
+                rows = env_cls.dataset(split, **dict(env.kwargs))
             except NotImplementedError as e:
                 key = "data.path" if split == "train" else "data.eval_path"
                 raise ValueError(f"{key} is null and {e}") from e
-            origin = f"env {config.env.name!r} {split} split"
-        n = n_samples_per_prompt or config.rollout.n_samples_per_prompt
+            origin = f"env {env.name!r} {split} split"
         return cls(rows, origin, tokenizer, input_key=data.input_key, label_key=data.label_key,
                    metadata_key=data.metadata_key, apply_chat_template=data.apply_chat_template,
                    chat_template_kwargs=data.apply_chat_template_kwargs,
-                   n_samples_per_prompt=n, shuffle=data.shuffle and split == "train",
+                   n_samples_per_prompt=n_samples_per_prompt, shuffle=data.shuffle and split == "train",
                    seed=data.seed)
 
     def __len__(self) -> int:

@@ -38,8 +38,8 @@ class ScriptedPolicy:
         return ids, [0.0] * len(ids), finish
 
 
-async def play_demos(config: Any, tokenizer: Any, num_samples: int, *, seed: int = 0,
-                     splits: Sequence[str] = ("train",),
+async def play_demos(tokenizer: Any, num_samples: int, *, model: Any, rollout: Any, data: Any,
+                     env: Any, seed: int = 0, splits: Sequence[str] = ("train",),
                      renderer: Optional[ChatRenderer] = None) -> list[Sample]:
     """``num_samples`` scripted episodes over the prompts of ``splits`` (each split cycled
     in a shuffled order of its own; episodes alternate between the splits)."""
@@ -47,33 +47,34 @@ async def play_demos(config: Any, tokenizer: Any, num_samples: int, *, seed: int
         raise ValueError(f"num_samples must be >= 1 (got {num_samples})")
     if not splits:
         raise ValueError("play_demos: splits is empty")
-    if config.rollout.agent.function:  # an OpenAI-API agent plays against the script
+    if rollout.agent.function:  # an OpenAI-API agent plays against the script
         from rollout.agent.demos import play_agent_demos
 
-        return await play_agent_demos(config, tokenizer, num_samples, seed=seed,
-                                      splits=splits)
-    env_cls = get_env_class(config.env.name)
+        return await play_agent_demos(tokenizer, num_samples, model=model, rollout=rollout,
+                                      data=data, env=env, seed=seed, splits=splits)
+    env_cls = get_env_class(env.name)
     sources = []
     for split in splits:
-        data = DataSource.from_config(config, split, tokenizer, n_samples_per_prompt=1)
-        data.reseed(seed)  # a shuffled order of its own, whatever data.shuffle says
-        sources.append(data)
-    renderer = renderer or ChatRenderer(tokenizer, config.data.apply_chat_template_kwargs)
+        source = DataSource.for_split(split, tokenizer, data=data, env=env,
+                                      n_samples_per_prompt=1)
+        source.reseed(seed)  # a shuffled order of its own, whatever data.shuffle says
+        sources.append(source)
+    renderer = renderer or ChatRenderer(tokenizer, data.apply_chat_template_kwargs)
     samples = []
     for k in range(num_samples):
         sample = sources[k % len(sources)].next_group()[0]
         # Each episode its own env seed, so the player mix and random guesses vary.
-        env = env_cls(max_turns=config.env.max_turns, seed=seed * 1_000_003 + k,
-                      **dict(config.env.kwargs))
-        episode = Episode(sample=sample, env=env)
+        game = env_cls(max_turns=env.max_turns, seed=seed * 1_000_003 + k, **dict(env.kwargs))
+        episode = Episode(sample=sample, env=game)
         samples.append(await run_episode(
-            episode, ScriptedPolicy(env, tokenizer), renderer,
-            max_turns=config.env.max_turns, max_context_len=config.model.max_context_len,
-            max_response_len=config.rollout.max_response_len))
+            episode, ScriptedPolicy(game, tokenizer), renderer,
+            max_turns=env.max_turns, max_context_len=model.max_context_len,
+            max_response_len=rollout.max_response_len))
     return samples
 
 
-def make_demos(config: Any, tokenizer: Any, num_samples: int, *, seed: int = 0,
-               splits: Sequence[str] = ("train",)) -> list[Sample]:
+def make_demos(tokenizer: Any, num_samples: int, *, model: Any, rollout: Any, data: Any,
+               env: Any, seed: int = 0, splits: Sequence[str] = ("train",)) -> list[Sample]:
     """Synchronous ``play_demos`` for the warm-up trainer (no engine involved)."""
-    return asyncio.run(play_demos(config, tokenizer, num_samples, seed=seed, splits=splits))
+    return asyncio.run(play_demos(tokenizer, num_samples, model=model, rollout=rollout,
+                                  data=data, env=env, seed=seed, splits=splits))

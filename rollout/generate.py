@@ -28,15 +28,16 @@ class GenerateState:
     """Per-process generation state: tokenizer, sampling defaults, router URL, semaphore.
 
     ``GenerateState(args)`` is cheap after the first call (slime-style user code builds it
-    on every turn): instances are cached per process by (config object, router); the
+    on every turn): instances are cached per process by (config sections, router); the
     tokenizer is shared by every state of the same model.
     """
 
-    # The cached state holds its config, so the id() in the key cannot be reused.
+    # The cached state holds its args (so its sections), so the id()s in the key cannot be
+    # reused.
     _cache: dict[tuple, "GenerateState"] = {}
 
     def __new__(cls, args: Any) -> "GenerateState":
-        key = (id(args.config), args.router_url)
+        key = (id(args.model), id(args.rollout), id(args.data), args.router_url)
         state = cls._cache.get(key)
         if state is None:
             state = super().__new__(cls)
@@ -50,19 +51,19 @@ class GenerateState:
     def _init(self, args: Any) -> None:
         from rollout.models import resolve_model_path
 
-        cfg = args.config
+        model, rollout = args.model, args.rollout
         self.args = args
-        self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        self.model_path = resolve_model_path(model.path, model.cache_dir)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_id: int = self.tokenizer.eos_token_id
         self.router_url: str = args.router_url
         self.generate_url = f"{self.router_url}/generate"
-        self.max_context_len: int = cfg.model.max_context_len
-        self.max_concurrency: int = cfg.rollout.max_concurrency
-        self.chat_template_kwargs = dict(cfg.data.apply_chat_template_kwargs)
-        self.sampling_params = sampling_params_from(cfg.rollout.temperature, cfg.rollout.top_p,
-                                                     cfg.rollout.top_k, cfg.rollout.max_response_len,
-                                                     list(cfg.rollout.stop))
+        self.max_context_len: int = model.max_context_len
+        self.max_concurrency: int = rollout.max_concurrency
+        self.chat_template_kwargs = dict(args.data.apply_chat_template_kwargs)
+        self.sampling_params = sampling_params_from(rollout.temperature, rollout.top_p,
+                                                     rollout.top_k, rollout.max_response_len,
+                                                     list(rollout.stop))
         self._renderer: Optional[ChatRenderer] = None
         self._semaphores: dict[int, asyncio.Semaphore] = {}
 

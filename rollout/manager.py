@@ -165,13 +165,14 @@ def summarize(samples: list[Sample], prefix: str) -> dict[str, float]:
 class RolloutManagerCore:
     """The manager's logic; ``RolloutManager`` below is this class as a Ray actor."""
 
-    def __init__(self, config: Any, router_url: str) -> None:
-        self.config = config
-        r = config.rollout
-        self.args = RolloutArgs(config, router_url)
+    def __init__(self, rollout: Any, env: Any, data: Any, eval: Any, *, model: Any,
+                 router_url: str) -> None:
+        self.rollout, self.env, self.data, self.eval = rollout, env, data, eval
+        r = rollout
+        self.args = RolloutArgs(router_url, model=model, rollout=rollout, data=data, env=env)
         self.state = GenerateState(self.args)
         ENDPOINT_NAMES[self.state.router_url] = "router"
-        self.env_cls = None if config.env.name in _NO_ENV else get_env_class(config.env.name)
+        self.env_cls = None if env.name in _NO_ENV else get_env_class(env.name)
         self.custom_generate = (load_plugin(r.custom_generate_function,
                                             "rollout.custom_generate_function")
                                 if r.custom_generate_function else None)
@@ -192,12 +193,12 @@ class RolloutManagerCore:
                              "rollout.custom_rm_function")
         if self.env_cls is not None:
             try:  # one throwaway instance: bad env.kwargs fail here, not in every sample
-                self.env_cls(max_turns=config.env.max_turns, **dict(config.env.kwargs))
+                self.env_cls(max_turns=env.max_turns, **dict(env.kwargs))
             except TypeError as e:
                 raise ValueError(f"env.kwargs: {self.env_cls.__name__} rejects "
-                                 f"{dict(config.env.kwargs)}: {e}") from e
+                                 f"{dict(env.kwargs)}: {e}") from e
         self.filter = self._load_filter(r.dynamic_sampling_filter)
-        self.train_data = DataSource.from_config(config, "train", self.state.tokenizer)
+        self.train_data = self._data_source("train")
         self._eval_data: Optional[DataSource] = None
         self.buffer: list[list[_Item]] = []  # aborted groups to continue next step
         self.ledger = Ledger()  # where every prompt group of every epoch is
@@ -235,8 +236,8 @@ class RolloutManagerCore:
         for s in group:
             env = None
             if self.env_cls is not None and self.custom_generate is None:
-                env = self.env_cls(max_turns=self.config.env.max_turns, seed=s.index,
-                                   **dict(self.config.env.kwargs))
+                env = self.env_cls(max_turns=self.env.max_turns, seed=s.index,
+                                   **dict(self.env.kwargs))
             items.append(_Item(Episode(sample=s, env=env), prompt_ids=list(s.tokens)))
         return items
 
@@ -268,7 +269,7 @@ class RolloutManagerCore:
         if item.seed is not None:
             sampling_params = dict(sampling_params, sampling_seed=item.seed)
         policy = EnginePolicy(self.state, sampling_params)
-        max_turns = self.config.env.max_turns if ep.env is not None else 1
+        max_turns = self.env.max_turns if ep.env is not None else 1
         return [await run_episode(ep, policy, self.state.renderer, max_turns=max_turns,
                                   max_context_len=self.state.max_context_len,
                                   max_response_len=sampling_params["max_new_tokens"])]
@@ -277,7 +278,7 @@ class RolloutManagerCore:
         if item.result is not None:  # finished before an abort; kept as it was
             return
         try:
-            async with asyncio.timeout(self.config.rollout.sample_timeout_s):
+            async with asyncio.timeout(self.rollout.sample_timeout_s):
                 samples = await self._generate_one(item, sampling_params)
                 if any(s.status == Status.ABORTED for s in samples):
                     if self.custom_generate is not None:  # cannot resume user code: restart
@@ -285,17 +286,17 @@ class RolloutManagerCore:
                         s.set_prompt(item.prompt_ids)
                         s.status, s.metadata = Status.ABORTED, {}
                     return
-                if self.custom_rm is not None and not self.config.rollout.group_rm:
+                if self.custom_rm is not None and not self.rollout.group_rm:
                     for s in samples:
                         s.reward = await self.custom_rm(self.args, s)
                 for s in samples:
-                    if not self.config.rollout.group_rm:
+                    if not self.rollout.group_rm:
                         _check_reward(s)
                     s.check()
         except Exception as e:  # contained: one bad sample must not crash the step
             s = item.episode.sample
             s.status = Status.FAILED
-            reason = ("timeout after %.1fs" % self.config.rollout.sample_timeout_s
+            reason = ("timeout after %.1fs" % self.rollout.sample_timeout_s
                       if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}")
             s.metadata["error"] = reason
             stats.failed_samples += 1
@@ -308,11 +309,11 @@ class RolloutManagerCore:
     async def _run_group(self, items: list[_Item], sampling_params: dict,
                          stats: _StepStats) -> list[_Item]:
         await asyncio.gather(*(self._run_item(it, sampling_params, stats) for it in items))
-        if (self.config.rollout.group_rm and all(it.result is not None for it in items)
+        if (self.rollout.group_rm and all(it.result is not None for it in items)
                 and not any(s.status == Status.FAILED for it in items for s in it.result)):
             samples = [s for it in items for s in it.result]
             try:
-                async with asyncio.timeout(self.config.rollout.sample_timeout_s):
+                async with asyncio.timeout(self.rollout.sample_timeout_s):
                     rewards = await self.custom_rm(self.args, samples)
                 if len(rewards) != len(samples):
                     raise ValueError(f"group reward function returned {len(rewards)} rewards "
@@ -408,7 +409,7 @@ class RolloutManagerCore:
         return samples
 
     async def generate(self, step: int) -> RolloutBatch:
-        r = self.config.rollout
+        r = self.rollout
         t0 = time.perf_counter()
         stats = _StepStats()
         retries_before = RETRIES["requests"]
@@ -488,18 +489,22 @@ class RolloutManagerCore:
         return BatchRef.put(batch.select(indices))
 
     # ---- evaluation ------------------------------------------------------------------
+    def _data_source(self, split: str) -> DataSource:
+        return DataSource.for_split(split, self.state.tokenizer, data=self.data, env=self.env,
+                                    n_samples_per_prompt=self.rollout.n_samples_per_prompt)
+
     def _eval_source(self, split: str) -> DataSource:
         if split == "train":
-            return DataSource.from_config(self.config, "train", self.state.tokenizer)
+            return self._data_source("train")
         if self._eval_data is None:
-            self._eval_data = DataSource.from_config(self.config, "eval", self.state.tokenizer)
+            self._eval_data = self._data_source("eval")
         return self._eval_data
 
     async def _eval_pass(self, data: DataSource, n: int, sampling_params: dict,
                          prefix: str) -> tuple[dict[str, float], list[dict]]:
         stats = _StepStats()
         groups = [self._new_items(g) for g in data.all_groups(n)]
-        seed = self.config.eval.seed
+        seed = self.eval.seed
         if seed is not None and (self.custom_generate is None or self.agent):
             # The same draws for the same (prompt, attempt) in every evaluation: base and
             # trained models are compared on paired samples, not on two independent ones.
@@ -519,7 +524,7 @@ class RolloutManagerCore:
     async def evaluate(self, split: str = "eval") -> dict:
         """Sampled pass (eval.n_samples_per_prompt at eval.temperature) over every prompt
         of ``split``, plus a greedy pass when eval.greedy. Returns {"metrics", "rows"}."""
-        ev, r = self.config.eval, self.config.rollout
+        ev, r = self.eval, self.rollout
         data = self._eval_source(split)
         passes = [("eval", ev.n_samples_per_prompt,
                    sampling_params_from(ev.temperature, r.top_p, r.top_k, r.max_response_len,

@@ -49,18 +49,17 @@ def _adapter_to_sglang(args, lora_cfg, placement, batch) -> tuple:
     """The adapter-sglang row: AdapterSync into one real SGLang CPU engine serving LoRA."""
     import dataclasses
 
-    from rollout.engines.group import EngineGroup
+    from trainer.driver import components
     from trainer.weight_sync.adapter import AdapterSync
-    from trainer.training.train_group import TrainGroup
 
     cfg = dataclasses.replace(lora_cfg, rollout=dataclasses.replace(
         lora_cfg.rollout, engine="sglang", dtype="bfloat16", sglang_python=args.sglang_python))
-    engines = EngineGroup(cfg, placement)
-    group = TrainGroup(cfg, placement)
+    engines = components.engine_group(cfg, placement)
+    group = components.train_group(cfg, placement)
     out = tempfile.mkdtemp(prefix="hg-adapter-push-")
     try:
         group.train_step(batch)
-        sync = AdapterSync(cfg, group, engines, disk_dir=out, announce=lambda name: None)
+        sync = AdapterSync(cfg.train, group, engines, disk_dir=out, announce=lambda name: None)
         times, num_bytes = [], 0
         for version in range(1, args.pushes + 1):
             metrics = sync.push(version)
@@ -88,15 +87,12 @@ def main() -> None:
     import ray
     import torch
 
-    from rollout.engines.group import EngineGroup
     from train_batches import make_batch
     from trainer.training.backends.lora import save_adapter
     from config import build_config
     from rollout.models import resolve_model_path
-    from trainer.training.placement import Placement
+    from trainer.driver import components
     from trainer.driver.runtime import connect_ray
-    from trainer.training.train_group import TrainGroup
-    from trainer.weight_sync.push import WeightSync
 
     def config(rank: int):
         return build_config({
@@ -109,12 +105,12 @@ def main() -> None:
     model_path = resolve_model_path(full_cfg.model.path, full_cfg.model.cache_dir)
     batch = make_batch(num_groups=2, group_size=4, seed=0, vocab=1000)
     connect_ray(full_cfg)
-    placement = Placement(full_cfg)
-    engines = EngineGroup(full_cfg, placement)
+    placement = components.placement(full_cfg)
+    engines = components.engine_group(full_cfg, placement)
     rows, version = [], 0
     try:
         for mode, cfg in (("full", full_cfg), ("merged", lora_cfg), ("adapter", lora_cfg)):
-            group = TrainGroup(cfg, placement)
+            group = components.train_group(cfg, placement)
             try:
                 group.train_step(batch)
                 times, num_bytes = [], 0
@@ -127,7 +123,7 @@ def main() -> None:
                         num_bytes = sum(f.stat().st_size for f in Path(out).iterdir())
                         shutil.rmtree(out)
                 else:
-                    sync = WeightSync(cfg, group, engines, mode="tensor")
+                    sync = components.weight_sync(cfg, group, engines, mode="tensor")
                     for _ in range(args.pushes):
                         version += 1
                         metrics = sync.push(version)

@@ -86,6 +86,7 @@ def warm_model(args) -> str:
     from rollout.demos import make_demos
     from config import compose_config
     from rollout.models import resolve_model_path
+    from trainer.driver.components import rollout_sections
 
     torch.set_num_threads(1)
     src = resolve_model_path(args.model, None)
@@ -96,7 +97,7 @@ def warm_model(args) -> str:
     config = compose_config(base_overrides(args, src, "multi"))
     tok = AutoTokenizer.from_pretrained(src)
     t0 = time.perf_counter()
-    demos = make_demos(config, tok, args.warmup_steps * args.warmup_batch, seed=0)
+    demos = make_demos(tok, args.warmup_steps * args.warmup_batch, seed=0, **rollout_sections(config))
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
                                                  attn_implementation="eager")
     model.train()
@@ -390,6 +391,7 @@ def run_limit(args, model_path: str, task: str, out: Path, ref: dict) -> dict:
 
     from rollout.demos import make_demos
     from config import compose_config
+    from trainer.driver.components import rollout_sections
 
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(model_path)
@@ -397,7 +399,7 @@ def run_limit(args, model_path: str, task: str, out: Path, ref: dict) -> dict:
                                                  attn_implementation="eager")
     config = compose_config(base_overrides(args, model_path, task))
     batch = args.prompts * args.samples
-    demos = make_demos(config, tok, batch, seed=1)
+    demos = make_demos(tok, batch, seed=1, **rollout_sections(config))
     # Shape of a step, from the reference run: mean model tokens per episode and turns.
     steps = ref["steps"][1:] or ref["steps"]
     gen_tok = statistics.mean(s["gen_tokens"] for s in steps) / batch

@@ -63,22 +63,19 @@ def main() -> None:
     import ray
     import torch
 
-    from rollout.engines.group import EngineGroup
     from config import compose_config
-    from trainer.training.placement import Placement
+    from trainer.driver import components
     from trainer.driver.runtime import connect_ray
-    from trainer.training.train_group import TrainGroup
-    from trainer.weight_sync.push import WeightSync
 
     cfg = compose_config(["+recipe=smollm2_cpu", *args.overrides])
     connect_ray(cfg)
-    placement = Placement(cfg)
-    engines = EngineGroup(cfg, placement)
+    placement = components.placement(cfg)
+    engines = components.engine_group(cfg, placement)
     group = None
     pushes = []
     try:
-        group = TrainGroup(cfg, placement)
-        sync = WeightSync(cfg, group, engines)
+        group = components.train_group(cfg, placement)
+        sync = components.weight_sync(cfg, group, engines)
         spies = _start_profiles(args.profile, group, engines) if args.profile else []
         for version in range(1, args.pushes + 1):
             start = time.perf_counter()

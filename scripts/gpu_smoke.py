@@ -308,11 +308,12 @@ class BackendChecks:
         return f"{kind} world_size=1 all_reduce on {self.device}"
 
     def init(self):
+        from trainer.driver.components import backend_args
         from trainer.training.backends import make_backend
 
         backend = make_backend(self.name)
-        backend.init(smoke_config(self.name, "cuda" if self.cuda else "cpu", self.model_path),
-                     0, 1)
+        backend.init(rank=0, world_size=1, **backend_args(
+            smoke_config(self.name, "cuda" if self.cuda else "cpu", self.model_path)))
         self.backend = backend
         params = sum(p.numel() for p in self._parameters())
         extra = ""
@@ -475,10 +476,12 @@ class BackendChecks:
         if not pa.flash_available():
             raise Skip(f"flash_attn is not importable ({pa.flash_import_error})")
         self._need_backend()
+        from trainer.driver.components import backend_args
         from trainer.training.backends import make_backend
 
         bf16 = make_backend("fsdp")
-        bf16.init(smoke_config("fsdp", "cuda", self.model_path, dtype="bfloat16"), 0, 1)
+        bf16.init(rank=0, world_size=1, **backend_args(
+            smoke_config("fsdp", "cuda", self.model_path, dtype="bfloat16")))
         if not bf16.share_prompts:
             raise Skip("share_prompts is off: the packed attention is not used")
         calls = [0]

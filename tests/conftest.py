@@ -14,6 +14,7 @@ os.environ.setdefault("HOMEGYM_CACHE", str(Path(__file__).resolve().parents[1] /
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from trainer.driver import components  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -124,14 +125,12 @@ def ray_local():
 def engine_group(ray_local, tiny_model_path, tmp_path):
     """``engine_group(config, **kwargs)`` starts an EngineGroup (tiny model by default)
     that is shut down after the test, whether or not an assert failed."""
-    from rollout.engines.group import EngineGroup
-
     groups = []
 
     def start(config, **kwargs):
         kwargs.setdefault("model_path", tiny_model_path)
         kwargs.setdefault("log_dir", str(tmp_path / f"engines{len(groups)}"))
-        groups.append(EngineGroup(config, **kwargs))
+        groups.append(components.engine_group(config, **kwargs))
         return groups[-1]
 
     yield start

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from typing import Iterator
+from trainer.driver import components
 
 
 def config(**rollout):
@@ -18,9 +19,7 @@ def config(**rollout):
 @contextlib.contextmanager
 def engines(model_path: str, num_engines: int = 2) -> Iterator[str]:
     """Yield the router URL of ``num_engines`` hf engines (Ray actors) serving the model."""
-    from rollout.engines.group import EngineGroup
-
-    group = EngineGroup(config(num_engines=num_engines), model_path=model_path)
+    group = components.engine_group(config(num_engines=num_engines), model_path=model_path)
     try:
         yield group.router_url
     finally:

@@ -19,7 +19,8 @@ import torch
 
 from conftest import REPO
 from train_batches import make_batch, make_config
-from trainer.training.backends.schedule import total_optimizer_steps
+from config.derived import total_optimizer_steps
+from trainer.driver import components
 
 TESTS = Path(__file__).resolve().parent
 LR = 1e-3
@@ -52,7 +53,8 @@ def _steps_child(backend: str, out: str) -> None:
     else:
         from trainer.training.backends.fsdp import FSDPBackend as Backend
     b = Backend()
-    b.init(make_config(train={"backend": backend, **TRAIN}, algo=ALGO), 0, 1)
+    b.init(rank=0, world_size=1, **components.backend_args(make_config(train={"backend": backend,
+                                                                              **TRAIN}, algo=ALGO)))
     batch = _batch()
     res = {"w0": _export(b), "rl1": b.train_step(batch), "w1": _export(b)}
     res["sft"] = b.sft_step(batch)

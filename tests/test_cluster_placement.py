@@ -19,6 +19,7 @@ from collections import Counter
 import pytest
 
 from conftest import REPO, clean_env, run_group
+from trainer.driver import components
 
 pytestmark = pytest.mark.slow
 
@@ -37,14 +38,13 @@ def _layout(config):
     """Probe every engine and training rank; returns JSON-able facts about the layout."""
     import ray
 
-    from trainer.training.placement import Placement
 
     @ray.remote
     class Probe:
         def where(self):
             return ray.get_runtime_context().get_node_id(), [int(g) for g in ray.get_gpu_ids()]
 
-    placement = Placement(config, timeout_s=120)
+    placement = components.placement(config, timeout_s=120)
     try:
         er, tr = placement.engine_resources(), placement.train_resources()
         engines = [Probe.options(num_cpus=er.num_cpus, num_gpus=er.num_gpus,

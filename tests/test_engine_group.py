@@ -9,8 +9,8 @@ import requests
 import torch
 
 from conftest import push_tensors
-from rollout.engines import EngineGroup
 from config import HomegymConfig, RolloutConfig
+from trainer.driver import components
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,8 @@ def gen(url, n_tokens=3):
 @pytest.fixture(scope="module")
 def group(ray_local, tiny_model_path, tmp_path_factory):
     config = HomegymConfig(rollout=RolloutConfig(num_engines=2))
-    g = EngineGroup(config, model_path=tiny_model_path, log_dir=str(tmp_path_factory.mktemp("grp")))
+    g = components.engine_group(config, model_path=tiny_model_path,
+                                log_dir=str(tmp_path_factory.mktemp("grp")))
     yield g
     g.shutdown()
 

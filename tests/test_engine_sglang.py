@@ -4,12 +4,12 @@ plus the shared supervision/readiness/registration code exercised against the CP
 import pytest
 import requests
 
-from rollout.engines import (EngineClient, EngineServer, HFLaunch, Router, SGLangLaunch,
-                             spec_from_config)
+from rollout.engines import EngineClient, EngineServer, HFLaunch, Router, SGLangLaunch
 from rollout.engines.actor import bind_host
 from rollout.engines.group import EngineView
 from trainer.weight_sync.push import broadcast_ranks, source_rank
 from config import ClusterConfig, HomegymConfig, RolloutConfig, TrainConfig
+from trainer.driver import components
 
 
 def gpu_config(colocate=True):
@@ -21,7 +21,7 @@ def gpu_config(colocate=True):
 
 
 def test_sglang_command_from_config():
-    spec = spec_from_config(gpu_config(), "/models/qwen", base_gpu_id=0)
+    spec = components.engine_spec(gpu_config(), "/models/qwen", base_gpu_id=0)
     assert isinstance(spec, SGLangLaunch)
     cmd = spec.command(31000, None, "127.0.0.1")
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
@@ -34,7 +34,7 @@ def test_sglang_command_from_config():
     # Colocated: release/resume around training, and no prefill CUDA graph (its memory is
     # not released by the memory saver).
     assert "--enable-memory-saver" in cmd and "--disable-prefill-cuda-graph" in cmd
-    disagg = spec_from_config(gpu_config(False), "/m").command(1, None, "127.0.0.1")
+    disagg = components.engine_spec(gpu_config(False), "/m").command(1, None, "127.0.0.1")
     assert "--enable-memory-saver" not in disagg and "--disable-prefill-cuda-graph" not in disagg
     assert spec.extra_ready_check() == "/health_generate"
     assert not spec.uses_port_file
@@ -44,7 +44,8 @@ def test_sglang_command_from_config():
 
 def test_each_engine_gets_its_own_seed():
     seeds = [dict(zip(c, c[1:]))["--random-seed"] for c in
-             (spec_from_config(gpu_config(), "/m", index=i).command(1, None, "h") for i in range(4))]
+             (components.engine_spec(gpu_config(), "/m", index=i).command(1, None,
+                                                                          "h") for i in range(4))]
     assert len(set(seeds)) == 4  # one seed for all would repeat a group's samples
 
 
@@ -52,7 +53,7 @@ def test_sglang_on_cpu_command():
     config = HomegymConfig(cluster=ClusterConfig(device="cpu"),
                            rollout=RolloutConfig(engine="sglang", num_engines=1, dtype="bfloat16",
                                                  sglang_python="/venv/bin/python"))
-    spec = spec_from_config(config, "/m")
+    spec = components.engine_spec(config, "/m")
     cmd = spec.command(5, None, "127.0.0.1")
     args = dict(zip(cmd, cmd[1:]))
     assert cmd[0] == "/venv/bin/python" and args["--device"] == "cpu"
@@ -84,12 +85,12 @@ def test_tensor_sources_put_each_engine_tp_rank_on_its_gpus_rank():
 
 def test_hf_command_and_bad_kind():
     config = HomegymConfig(rollout=RolloutConfig(num_engines=1))
-    spec = spec_from_config(config, "/m")
+    spec = components.engine_spec(config, "/m")
     assert isinstance(spec, HFLaunch)
     cmd = spec.command(0, "/tmp/p", "127.0.0.1")
     assert "--port-file" in cmd and cmd[cmd.index("--torch-threads") + 1] == "1"
     with pytest.raises(ValueError, match="hf or sglang"):
-        spec_from_config(config, "/m", engine_kind="vllm")
+        components.engine_spec(config, "/m", engine_kind="vllm")
 
 
 class HFWithGenerateCheck(HFLaunch):

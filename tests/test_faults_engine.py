@@ -17,6 +17,7 @@ from rollout.generate import generate as default_generate
 from rollout.http import close_session
 from rollout.manager import RolloutManagerCore
 from rollout_engines import config, start_decoding
+from trainer.driver import components
 
 pytestmark = pytest.mark.slow
 
@@ -36,10 +37,8 @@ async def constant_rm(args, sample, **kwargs):
 
 @pytest.fixture()
 def group(ray_local, tiny_model_path, tmp_path):
-    from rollout.engines.group import EngineGroup
-
-    g = EngineGroup(config(num_engines=2), model_path=tiny_model_path,
-                    log_dir=str(tmp_path / "engines"))
+    g = components.engine_group(config(num_engines=2), model_path=tiny_model_path,
+                                log_dir=str(tmp_path / "engines"))
     yield g
     g.shutdown()
 
@@ -64,7 +63,7 @@ def assert_every_engine_holds(group, named_tensors):
 def _rollout_while(cfg, router_url, fault):
     """Run one rollout step; call ``fault()`` once it is well under way."""
     async def go():
-        core = RolloutManagerCore(cfg, router_url)
+        core = RolloutManagerCore(router_url=router_url, **components.manager_args(cfg))
         task, _ = await start_decoding(router_url, core.generate(1), steps=20)
         await asyncio.get_running_loop().run_in_executor(None, fault)
         try:
@@ -75,7 +74,7 @@ def _rollout_while(cfg, router_url, fault):
 
 
 def test_engine_dies_mid_rollout_step_completes_and_engine_recovers(group, tiny_model_path):
-    from trainer.weight_sync.push import WeightSync, send_weights
+    from trainer.weight_sync.push import send_weights
 
     cfg = config(num_engines=2, rollout_batch_size=4, n_samples_per_prompt=4,
                  max_response_len=LONG_TOKENS, sample_timeout_s=120.0,
@@ -86,7 +85,7 @@ def test_engine_dies_mid_rollout_step_completes_and_engine_recovers(group, tiny_
         def send_weights(self, plan):
             return send_weights([_weights(tiny_model_path, 2.0)], plan, rank=0, world_size=1)
 
-    sync = WeightSync(cfg, Policy(), group)
+    sync = components.weight_sync(cfg, Policy(), group)
 
     def push_current(view):
         # The very push the driver makes (Runtime.recover_engines): WeightSync over a view.
@@ -141,10 +140,11 @@ def test_a_replaced_weight_broadcast_group_is_destroyed_on_rank_0_and_the_engine
 
     from rollout.engines.client import EngineError
     from trainer.training.train_group import TrainActor
-    from trainer.weight_sync.push import WeightSync, send_weights
+    from trainer.weight_sync.push import send_weights
 
     cfg = config(num_engines=2)
-    rank0 = TrainActor(cfg, rank=0, world_size=1)  # the rank's own methods, in this process
+    # the rank's own methods, in this process
+    rank0 = TrainActor(rank=0, world_size=1, **components.backend_args(cfg))
 
     class Policy:
         init_weight_broadcast = rank0.init_weight_broadcast
@@ -166,7 +166,7 @@ def test_a_replaced_weight_broadcast_group_is_destroyed_on_rank_0_and_the_engine
         except EngineError:
             return False
 
-    sync = WeightSync(cfg, Policy(), group, mode="distributed")
+    sync = components.weight_sync(cfg, Policy(), group, mode="distributed")
     sync.push(1)
     assert rank0_groups() == ["homegym_weights_1"]
     survivor = group.clients[1]

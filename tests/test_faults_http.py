@@ -19,6 +19,7 @@ from aiohttp import web
 from rollout import http
 from rollout.engines.client import EngineClient, EngineError
 from rollout.http import close_session, post
+from trainer.driver import components
 
 
 @contextlib.contextmanager
@@ -133,10 +134,9 @@ def test_generate_through_router_rides_out_engines_answering_503(ray_local, tiny
     from safetensors.torch import load_file
 
     from conftest import push_tensors
-    from rollout.engines.group import EngineGroup
     from rollout_engines import config
 
-    group = EngineGroup(config(num_engines=1), model_path=tiny_model_path)
+    group = components.engine_group(config(num_engines=1), model_path=tiny_model_path)
     try:
         group.release_memory()
         payload = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}

@@ -15,6 +15,7 @@ from envs.number_guess import NumberGuessEnv
 from rollout.http import close_session
 from rollout.manager import RolloutManagerCore
 from rollout_engines import config, engines
+from trainer.driver import components
 
 HANG_S = 3600
 
@@ -52,7 +53,8 @@ class StepHangsOnGroup1(NumberGuessEnv):
 def _run(cfg, router="http://127.0.0.1:9"):
     async def go():
         try:
-            return await RolloutManagerCore(cfg, router).generate(0)
+            return await RolloutManagerCore(router_url=router,
+                                            **components.manager_args(cfg)).generate(0)
         finally:
             await close_session()
     t0 = time.monotonic()

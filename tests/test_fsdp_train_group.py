@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from train_batches import (assert_gradients_close, assert_save_load_round_trip, exported_params,
                            make_batch, make_config, record_gradients, recorded_gradients)
-from trainer.training.placement import Placement
+from trainer.driver import components
 from trainer.training.train_group import TrainGroup
 
 pytestmark = pytest.mark.slow
@@ -28,8 +28,8 @@ def _surrogate(group: TrainGroup, batch) -> float:
 @pytest.fixture(scope="module")
 def group2(ray_local, tiny_model_path):
     config = make_config(train={"ranks_per_node": 2, "lr": 1e-3})
-    placement = Placement(config)
-    group = TrainGroup(config, placement)
+    placement = components.placement(config)
+    group = components.train_group(config, placement)
     yield group
     group.shutdown()
     placement.shutdown()
@@ -88,7 +88,8 @@ def test_two_ranks_equal_one_rank(ray_local, tiny_model_path, algo):
     train = {"global_batch_size": 8, "max_tokens_per_micro_batch": 96, "lr": 1e-3}
     results = {}
     for ranks in (1, 2):
-        group = TrainGroup(make_config(train={**train, "ranks_per_node": ranks}, algo=algo))
+        group = components.train_group(make_config(train={**train, "ranks_per_node": ranks},
+                                                   algo=algo))
         try:
             metrics = group.train_step(batch)
             results[ranks] = (metrics, exported_params(group))
@@ -120,7 +121,7 @@ def test_shared_prefixes_equal_per_sample_rows(ray_local, tiny_model_path):
     batch = make_batch(num_groups=3, group_size=4, prompt_len=(8, 20), seed=6, common_start=5)
     results = {}
     for share in (False, True):
-        group = TrainGroup(make_config(train={"share_prompts": share, "lr": 1e-3},
+        group = components.train_group(make_config(train={"share_prompts": share, "lr": 1e-3},
                                        algo={"entropy_coef": 0.01}))
         try:
             log_probs = group.log_probs(batch)
@@ -158,7 +159,8 @@ def test_zero_advantage_samples_are_skipped_without_changing_the_update(ray_loca
             batch.rewards[i] = 1.7 if g == 1 else 0.0
     results = {}
     for skip in (False, True):
-        group = TrainGroup(make_config(train={"ranks_per_node": 2, "skip_zero_advantage": skip,
+        group = components.train_group(make_config(train={"ranks_per_node": 2,
+                                                          "skip_zero_advantage": skip,
                                               "max_tokens_per_micro_batch": 96}))
         try:
             record_gradients(group)
@@ -198,8 +200,8 @@ def test_shutdown_leaves_no_shared_memory_behind(ray_local, tiny_model_path):
     killed while such a buffer is mapped leaves the file there for good (it is memory), so
     shutdown frees both first."""
     config = make_config(train={"ranks_per_node": 2})
-    placement = Placement(config)
-    group = TrainGroup(config, placement)
+    placement = components.placement(config)
+    group = components.train_group(config, placement)
     try:
         pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in group.actors])
         group.named_weight_buckets(200_000)

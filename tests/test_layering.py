@@ -52,3 +52,40 @@ def test_config_imports_nothing_heavy_and_nothing_of_the_project():
     assert "config" in loaded and "hydra" in loaded  # the check saw the real import
     assert not loaded & set(HEAVY), loaded & set(HEAVY)
     assert not loaded & (set(LAYERS) - {"config"}), loaded & set(LAYERS)
+
+
+# Below the driver: what runs in Ray actors or is built per component.
+BELOW_DRIVER = ("envs", "rollout", "trainer/training", "trainer/weight_sync")
+
+
+def test_no_component_below_the_driver_takes_the_root_config():
+    """A component gets the sections it uses: none below the driver names the root config
+    type or reads its derived values (those reach it as named arguments)."""
+    found = []
+    for folder in BELOW_DRIVER:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Name) and node.id == "HomegymConfig") or (
+                        isinstance(node, ast.Attribute) and node.attr == "derived"):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, "the root config below the driver:\n" + "\n".join(found)
+
+
+def test_the_root_config_cannot_reach_an_actor_but_its_sections_can():
+    import copy
+    import pickle
+
+    import pytest
+    import ray
+
+    from config import compose_config
+
+    config = compose_config()
+    with pytest.raises(TypeError, match="stays in the driver"):
+        pickle.dumps(config)
+    with pytest.raises(TypeError, match="stays in the driver"):
+        ray.cloudpickle.dumps(config)  # what Ray uses for an actor's arguments
+    sections = pickle.loads(pickle.dumps((config.rollout, config.train, config.derived)))
+    assert sections == (config.rollout, config.train, config.derived)
+    clone = copy.deepcopy(config)  # copies still work in the driver
+    assert clone == config and clone.derived == config.derived and clone.train is not config.train

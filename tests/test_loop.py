@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, clean_env, compose_config, read_jsonl, run_main
+from trainer.driver import components
 
 pytestmark = pytest.mark.slow
 
@@ -35,18 +36,16 @@ def test_weight_sync_round_trip(ray_local, tiny_model_path):
     from transformers import AutoTokenizer
 
     from rollout.demos import make_demos
-    from rollout.engines.group import EngineGroup
     from rollout.sample import RolloutBatch
-    from trainer.training.train_group import TrainGroup
-    from trainer.weight_sync.push import WeightSync, WeightSyncError, _TensorSender
+    from trainer.weight_sync.push import WeightSyncError, _TensorSender
 
     config = compose_config("train.ranks_per_node=1", "rollout.num_engines=1")
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    engines = EngineGroup(config)
-    group = TrainGroup(config)
+    engines = components.engine_group(config)
+    group = components.train_group(config)
     try:
-        sync = WeightSync(config, group, engines)
-        demos = make_demos(config, tok, 16, seed=3)
+        sync = components.weight_sync(config, group, engines)
+        demos = make_demos(tok, 16, seed=3, **components.rollout_sections(config))
         for s in demos:
             s.reward = 0.0
         demo_batch = RolloutBatch.from_samples(demos)
@@ -138,11 +137,10 @@ def expected_data_order(config, num_steps):
     """The group labels each step trains on, straight from the data source."""
     from transformers import AutoTokenizer
 
-    from rollout.data import DataSource
     from rollout.models import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(config.model.path))
-    data = DataSource.from_config(config, "train", tok)
+    data = components.data_source(config, "train", tok)
     return [[data.next_group()[0].label for _ in range(config.rollout.rollout_batch_size)]
             for _ in range(num_steps)]
 

@@ -12,6 +12,7 @@ from conftest import free_port, run_main
 from train_batches import (assert_save_load_round_trip, exported_params, make_batch,
                            make_config)
 from config import ConfigError
+from trainer.driver import components
 
 LORA = {"rank": 4, "alpha": 8.0}
 
@@ -32,7 +33,8 @@ def _backend(train=None, algo=None):
     from trainer.training.backends.fsdp import FSDPBackend
 
     backend = FSDPBackend()
-    backend.init(make_config(train={"lr": 1e-2, **(train or {})}, algo=algo or {}), 0, 1)
+    config = make_config(train={"lr": 1e-2, **(train or {})}, algo=algo or {})
+    backend.init(rank=0, world_size=1, **components.backend_args(config))
     return backend
 
 
@@ -73,12 +75,12 @@ def test_push_mode_adapter_on_sglang_merged_on_the_cpu_engine():
     """train.lora.push=auto sends SGLang engines the adapter (and starts them serving LoRA
     of that rank on those modules), homegym's CPU engine merged weights; an adapter push to
     the CPU engine is refused."""
-    from rollout.engines.actor import SGLANG_CPU_LORA_SHIM, spec_from_config
+    from rollout.engines.actor import SGLANG_CPU_LORA_SHIM
 
     lora = {"rank": 8, "target_modules": ["q_proj", "v_proj"]}
     sglang = make_config(rollout={"engine": "sglang", "dtype": "bfloat16"}, train={"lora": lora})
     assert sglang.derived.lora_push == "adapter"
-    spec = spec_from_config(sglang, "/m")
+    spec = components.engine_spec(sglang, "/m")
     cmd = spec.command(1, None, "127.0.0.1")
     at = cmd.index("--lora-target-modules")
     assert cmd[at + 1:at + 3] == ["q_proj", "v_proj"] and "--enable-lora" in cmd
@@ -87,7 +89,7 @@ def test_push_mode_adapter_on_sglang_merged_on_the_cpu_engine():
     merged = make_config(rollout={"engine": "sglang", "dtype": "bfloat16"},
                          train={"lora": {**lora, "push": "merged"}})
     assert merged.derived.lora_push == "merged"
-    assert "--enable-lora" not in spec_from_config(merged, "/m").command(1, None, "127.0.0.1")
+    assert "--enable-lora" not in components.engine_spec(merged, "/m").command(1, None, "127.0.0.1")
     assert make_config(train={"lora": lora}).derived.lora_push == "merged"  # the CPU engine
     assert make_config().derived.lora_push is None
     with pytest.raises(ConfigError, match="train.lora.push: adapter pushes need rollout.engine=sglang"):
@@ -182,12 +184,10 @@ def test_kl_reference_is_the_base_model(one_rank):
 @pytest.mark.slow
 def test_lora_save_load_round_trip_two_ranks(ray_local, tmp_path):
     """The full model's resume test on sharded adapters, and a fresh process resuming."""
-    from trainer.training.placement import Placement
-    from trainer.training.train_group import TrainGroup
 
     config = make_config(train={"ranks_per_node": 2, "lr": 1e-2, "lora": LORA})
-    placement = Placement(config)
-    group = TrainGroup(config, placement)
+    placement = components.placement(config)
+    group = components.train_group(config, placement)
     batch = make_batch(num_groups=4, group_size=4, seed=16)
     try:
         assert_save_load_round_trip(group, batch, str(tmp_path / "ckpt"))
@@ -204,7 +204,8 @@ def test_lora_save_load_round_trip_two_ranks(ray_local, tmp_path):
     stored = dcp.FileSystemReader(str(tmp_path / "ckpt2" / "dcp")).read_metadata().state_dict_metadata
     model_keys = [k for k in stored if k.startswith("model.")]
     assert model_keys and all(".lora_" in k for k in model_keys), model_keys
-    fresh = TrainGroup(config)  # new ranks: base from model.path, adapters from the checkpoint
+    # new ranks: base from model.path, adapters from the checkpoint
+    fresh = components.train_group(config)
     try:
         fresh.load(str(tmp_path / "ckpt2"))
         assert all(torch.equal(saved[n], t) for n, t in exported_params(fresh).items())

@@ -86,7 +86,7 @@ def test_adapter_push_serves_the_trained_policy(ray_local, engine_group, tiny_mo
     group = engine_group(cfg)
     prompt = [5, 6, 7, 8]
     policies = [trained_adapter(tiny_model_path, seed) for seed in (0, 1, 2)]
-    sync = AdapterSync(cfg, None, group, disk_dir=str(tmp_path / "push"),
+    sync = AdapterSync(cfg.train, None, group, disk_dir=str(tmp_path / "push"),
                        announce=lambda name: http.LORA_ADAPTER.__setitem__(0, name))
     try:
         for version, policy in enumerate(policies, start=1):

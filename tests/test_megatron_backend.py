@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 pytest.importorskip("megatron.core")
 
 from train_batches import exported_params, make_batch, make_config  # noqa: E402
-from trainer.training.train_group import TrainGroup  # noqa: E402
+from trainer.driver import components
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,7 @@ def hf_logps(tiny_model_path, batch):
 
 @pytest.fixture(scope="module")
 def tp1(ray_local, tiny_model_path):
-    group = TrainGroup(_config(max_tokens_per_micro_batch=128))
+    group = components.train_group(_config(max_tokens_per_micro_batch=128))
     yield group
     group.shutdown()
 
@@ -105,7 +105,7 @@ def test_model_parallel_equals_single_rank(ray_local, tiny_model_path, batch, hf
     train = {"max_tokens_per_micro_batch": 128, "global_batch_size": 4}
     results = {}
     for key, (t, p, r) in {"single": (1, 1, 1), "parallel": (tp, pp, ranks)}.items():
-        group = TrainGroup(_config(t, p, ranks=r, algo=algo, **train))
+        group = components.train_group(_config(t, p, ranks=r, algo=algo, **train))
         try:
             lps = group.log_probs(batch)
             exported = exported_params(group)

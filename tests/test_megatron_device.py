@@ -22,6 +22,7 @@ import torch
 from conftest import REPO
 from trainer.training.backends.megatron import backend as B
 from trainer.training.backends.megatron import model as M
+from trainer.driver import components
 
 TESTS = Path(__file__).resolve().parent
 
@@ -213,7 +214,7 @@ def _offload_child(dtype: str, offload: bool, kl: float, out: str, device: str =
                                 "max_tokens_per_micro_batch": 128},
                          model={"dtype": dtype}, algo={"kl_coef": kl}, **extra)
     b = MegatronBackend()
-    b.init(config, 0, 1)
+    b.init(rank=0, world_size=1, **components.backend_args(config))
     batch = make_batch(num_groups=2, group_size=4, seed=3)
     result = {"m1": b.train_step(batch), "param_dtype": str(next(b.gpt.parameters()).dtype)}
     if offload:

@@ -4,7 +4,7 @@ import pytest
 import ray
 
 from train_batches import make_config
-from trainer.training.placement import Placement
+from trainer.driver import components
 
 pytestmark = pytest.mark.slow  # needs a real Ray instance (~6 s to start)
 
@@ -22,7 +22,7 @@ class _Holder:
 
 def test_colocated_shares_bundles(ray_local):
     config = make_config(train={"ranks_per_node": 2}, rollout={"num_engines": 2})
-    placement = Placement(config)
+    placement = components.placement(config)
     try:
         assert placement.num_slots == 2
         assert placement.train_slot(1) == placement.engine_slots(1)[0] == 1
@@ -48,7 +48,7 @@ def test_colocated_shares_bundles(ray_local):
 def test_disaggregated_uses_disjoint_bundles(ray_local):
     config = make_config(train={"ranks_per_node": 2}, rollout={"num_engines": 3},
                          cluster={"colocate": False})
-    placement = Placement(config)
+    placement = components.placement(config)
     try:
         assert placement.num_slots == 5
         engines = {s for j in range(3) for s in placement.engine_slots(j)}

@@ -22,6 +22,7 @@ from rollout.generate import EnginePolicy, GenerateState
 from rollout.http import ABORT, close_session
 from rollout.sample import Sample
 from rollout_engines import engines
+from trainer.driver import components
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +196,8 @@ def test_tool_episode_is_one_token_exact_sample(tok):
     sample = task_sample()
     task = calculator.task_of(sample)
     rec = Recorder(scripted(tok, sample, direct_prob=0.0))
-    samples = run(run_agent(calculator.agent, RolloutArgs(agent_config(), "http://127.0.0.1:1"),
+    args = RolloutArgs("http://127.0.0.1:1", **components.rollout_sections(agent_config()))
+    samples = run(run_agent(calculator.agent, args,
                             sample, rec, tokenizer=tok, max_new_tokens=40, max_context_len=512))
     assert len(samples) == 1 and len(rec.inputs) == 2
     s = samples[0]
@@ -264,7 +266,8 @@ def test_session_http_errors_reach_the_agent_as_openai_exceptions(tok):
 
 def test_aborted_request_is_a_503_and_the_episode_aborted(tok):
     cfg = agent_config()
-    args = RolloutArgs(cfg, "http://127.0.0.1:1")  # never reached: the switch answers
+    # never reached: the switch answers
+    args = RolloutArgs("http://127.0.0.1:1", **components.rollout_sections(cfg))
     seen = []
 
     async def agent(client, sample, args):
@@ -330,7 +333,7 @@ def same_episode_in_every_dialect(tok, reply, max_new_tokens=64, max_context_len
     answer), driven by the real openai (chat, streamed chat, Responses) and anthropic
     clients: each must be one token-exact sample, reward 1, the malformed call counted,
     and all the same tokens. Returns the chat client's sample."""
-    args = RolloutArgs(agent_config(), "http://127.0.0.1:1")
+    args = RolloutArgs("http://127.0.0.1:1", **components.rollout_sections(agent_config()))
     agents = {"chat": calculator.agent,
               **{name: dialect_agent(loop) for name, loop in dialect_agents.LOOPS.items()}}
     out = {}
@@ -395,7 +398,7 @@ def test_verifiers_taskset_runs_through_the_session(tok):
     out = {}
     for name, options in runs.items():
         cfg = agent_config(extra_config={"verifiers": {"taskset": "vf_calculator", **options}})
-        args = RolloutArgs(cfg, "http://127.0.0.1:1")
+        args = RolloutArgs("http://127.0.0.1:1", **components.rollout_sections(cfg))
         sample = Sample(prompt="", tokens=[1], label=json.dumps({"idx": 2}), index=0,
                         group_index=0)
         # verifiers' renderer parses tool calls itself, and its bridge to the next turn
@@ -439,7 +442,7 @@ async def echo_agent(client, sample, args):
 @pytest.mark.slow
 def test_real_engine_traces_are_token_exact_and_rewrites_counted(router, tok):
     cfg = agent_config()
-    args = RolloutArgs(cfg, router)
+    args = RolloutArgs(router, **components.rollout_sections(cfg))
 
     async def go():
         state = GenerateState(args)
@@ -503,7 +506,7 @@ def test_manager_runs_agents_and_fails_the_ones_that_raise(router):
     cfg = agent_config(rollout_batch_size=2, n_samples_per_prompt=2, max_concurrency=1,
                        sample_timeout_s=30.0,
                        agent={"function": "test_rollout_agent:agent_failing_on_group_0"})
-    m = RolloutManagerCore(cfg, router)
+    m = RolloutManagerCore(router_url=router, **components.manager_args(cfg))
     batch = run(m.generate(0))
     assert len(batch) == 4 and 0 not in batch.group_ids
     assert batch.metrics["rollout/failed_samples"] == 2.0
@@ -513,7 +516,7 @@ def test_manager_runs_agents_and_fails_the_ones_that_raise(router):
     # openai exception with the session's 502, and the sample fails like any other.
     cfg = agent_config(rollout_batch_size=1, n_samples_per_prompt=1,
                        agent={"function": "test_rollout_agent:agent_with_bad_sampling"})
-    m = RolloutManagerCore(cfg, router)
+    m = RolloutManagerCore(router_url=router, **components.manager_args(cfg))
     m.state.sampling_params["top_k"] = -5
     item = m._new_items(m.train_data.next_group())[0]
     from rollout.manager import _StepStats
@@ -573,7 +576,7 @@ def test_agents_aborted_at_the_end_of_a_step_restart_next_step(router):
     cfg = agent_config(rollout_batch_size=2, over_sampling_batch_size=4, n_samples_per_prompt=2,
                        partial_rollout=True,
                        agent={"function": "test_rollout_agent:agent_busy_on_odd_groups"})
-    m = RolloutManagerCore(cfg, router)
+    m = RolloutManagerCore(router_url=router, **components.manager_args(cfg))
     b0 = run(m.generate(0))
     assert sorted(set(b0.group_ids)) == [0, 2]
     assert b0.metrics["rollout/aborted_groups"] == 2 and len(m.buffer) == 2

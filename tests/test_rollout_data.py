@@ -6,6 +6,7 @@ import pytest
 
 from rollout.data import DataSource
 from config import build_config
+from trainer.driver import components
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def test_formats_parquet_jsonl_and_datasets_dir(tok, tmp_path):
         cfg = build_config({"rollout": {"num_engines": 1, "n_samples_per_prompt": 2},
                             "data": {"path": str(tmp_path / name), "metadata_key": "meta",
                                      "shuffle": False}})
-        ds = DataSource.from_config(cfg, "train", tok)
+        ds = components.data_source(cfg, "train", tok)
         g = ds.next_group()
         assert (len(ds), len(g), g[0].label, g[0].metadata) == (5, 2, "0", {"k": 0}), name
 
@@ -83,7 +84,7 @@ def test_malformed_rows_name_file_row_and_column(tok, tmp_path):
     p.write_text('{"messages": "a", "label": 1}\n{oops\n')
     cfg = build_config({"rollout": {"num_engines": 1}, "data": {"path": str(p)}})
     with pytest.raises(ValueError, match=r"b.jsonl: line 2: invalid JSON"):
-        DataSource.from_config(cfg, "train", tok)
+        components.data_source(cfg, "train", tok)
 
 
 def test_chat_template_kwargs_reach_the_template(tok):
@@ -97,8 +98,8 @@ def test_chat_template_kwargs_reach_the_template(tok):
 
 def test_rows_from_the_environment_when_path_is_null(tok):
     cfg = build_config({"rollout": {"num_engines": 1, "n_samples_per_prompt": 1}})
-    train = DataSource.from_config(cfg, "train", tok)
-    ev = DataSource.from_config(cfg, "eval", tok)
+    train = components.data_source(cfg, "train", tok)
+    ev = components.data_source(cfg, "eval", tok)
     answers = lambda ds: sorted(json.loads(g[0].label)["answer"] for g in ds.all_groups())  # noqa
     assert answers(train) == list(range(1, 21, 2))
     assert answers(ev) == list(range(2, 21, 2))

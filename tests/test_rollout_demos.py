@@ -8,6 +8,7 @@ from rollout.demos import make_demos
 from rollout.chat import ChatRenderer
 from rollout.generate import Episode, run_episode
 from config import build_config
+from trainer.driver import components
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def test_renderer_follows_a_qwen3_style_template(tok):
 
 def test_demos_have_exact_rl_layout(tok):
     cfg = build_config({"rollout": {"num_engines": 1}})
-    demos = make_demos(cfg, tok, 40, seed=3)
+    demos = make_demos(tok, 40, seed=3, **components.rollout_sections(cfg))
     r = ChatRenderer(tok)
     eos = tok.eos_token_id
     players_won = sum(s.metadata["success"] for s in demos)
@@ -77,26 +78,27 @@ def _find(seq, sub, start):
 
 def test_demos_mix_players(tok):
     cfg = build_config({"rollout": {"num_engines": 1}})
-    turns = [s.metadata["turns_taken"] for s in make_demos(cfg, tok, 60, seed=0)]
+    turns = [s.metadata["turns_taken"] for s in make_demos(tok, 60, seed=0,
+                                                           **components.rollout_sections(cfg))]
     # binary search needs <= 5 turns; random play sometimes needs all 6 or fails
     assert max(turns) >= 5 and min(turns) <= 3
 
 
 def test_warmup_plays_the_prompts_of_each_split(tok):
     cfg = build_config({"rollout": {"num_engines": 1}})
-    targets = [s.metadata["target"] for s in make_demos(cfg, tok, 20, seed=0,
-                                                        splits=("train", "eval"))]
+    targets = [s.metadata["target"] for s in make_demos(tok, 20, seed=0, splits=("train", "eval"),
+                                                        **components.rollout_sections(cfg))]
     assert [t % 2 for t in targets] == [1, 0] * 10  # odd train, even eval, alternating
-    assert all(t % 2 for t in (s.metadata["target"] for s in make_demos(cfg, tok, 10)))
+    odd = make_demos(tok, 10, **components.rollout_sections(cfg))
+    assert all(t % 2 for t in (s.metadata["target"] for s in odd))
 
 
 def test_context_budget_truncates(tok):
     from envs.number_guess import NumberGuessEnv
     from rollout.demos import ScriptedPolicy
-    from rollout.data import DataSource
 
     cfg = build_config({"rollout": {"num_engines": 1}})
-    s = DataSource.from_config(cfg, "train", tok).next_group()[0]
+    s = components.data_source(cfg, "train", tok).next_group()[0]
     env = NumberGuessEnv(players=["random"], seed=1)
     s.label = '{"answer": 20}'
     limit = len(s.tokens) + 12  # room for one turn, not for the feedback turn after it

@@ -11,6 +11,7 @@ from rollout.http import close_session, post
 from rollout.sample import Sample
 from rollout_engines import config, engines, start_decoding
 from rollout_plugins import EndlessEnv
+from trainer.driver import components
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +24,7 @@ def router(ray_local, tiny_model_path):
 
 @pytest.fixture(scope="module")
 def state(router):
-    return GenerateState(RolloutArgs(config(), router))
+    return GenerateState(RolloutArgs(router, **components.rollout_sections(config())))
 
 
 class Recorder:

@@ -9,6 +9,7 @@ import pytest
 
 from rollout.http import close_session
 from rollout.ledger import Ledger, LedgerError
+from trainer.driver import components
 
 
 def test_ledger_rejects_training_twice_and_losing_a_row():
@@ -70,7 +71,7 @@ def test_manager_trains_every_group_once_through_failures_extras_and_a_checkpoin
                  custom_rm_function="test_rollout_ledger:constant_rm")
     with engines(tiny_model_path, num_engines=1) as router:
         async def go():
-            core = RolloutManagerCore(cfg, router)
+            core = RolloutManagerCore(router_url=router, **components.manager_args(cfg))
             num_rows = len(core.train_data)
             steps = 0
             # Train (mark trained) until two full epochs have been drawn; checkpoint and
@@ -81,7 +82,7 @@ def test_manager_trains_every_group_once_through_failures_extras_and_a_checkpoin
                 steps += 1
                 if steps == 3:
                     state = pickle.loads(pickle.dumps(core.state_dict()))
-                    core = RolloutManagerCore(cfg, router)
+                    core = RolloutManagerCore(router_url=router, **components.manager_args(cfg))
                     core.load_state_dict(state)
             summary = core.verify_ledger()
             await close_session()

@@ -9,6 +9,7 @@ from rollout.http import close_session
 from rollout.manager import RolloutManager, RolloutManagerCore
 from rollout_engines import config, engines
 from rollout_plugins import SlowStartEnv
+from trainer.driver import components
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +42,7 @@ def assert_groups(batch, n):
 
 def test_step_group_structure_and_metrics(router):
     cfg = config(rollout_batch_size=3, n_samples_per_prompt=4)
-    m = RolloutManagerCore(cfg, router)
+    m = RolloutManagerCore(router_url=router, **components.manager_args(cfg))
     b = run(m.generate(0))
     assert len(b) == 12
     assert_groups(b, 4)
@@ -61,7 +62,7 @@ def test_nonzero_std_filter_keeps_only_informative_groups(router):
     cfg = config(rollout_batch_size=3, n_samples_per_prompt=2,
                  custom_rm_function="rollout_plugins.group_parity_rm",
                  dynamic_sampling_filter="nonzero_std")
-    m = RolloutManagerCore(cfg, router)
+    m = RolloutManagerCore(router_url=router, **components.manager_args(cfg))
     b = run(m.generate(0))
     assert len(b) == 6 and all(g % 2 == 0 for g in b.group_ids)
     assert b.metrics["rollout/filtered_groups"] >= 2
@@ -70,14 +71,14 @@ def test_nonzero_std_filter_keeps_only_informative_groups(router):
 
 def test_over_sampling_returns_exactly_the_batch(router):
     cfg = config(rollout_batch_size=2, over_sampling_batch_size=5, n_samples_per_prompt=2)
-    b = run(RolloutManagerCore(cfg, router).generate(0))
+    b = run(RolloutManagerCore(router_url=router, **components.manager_args(cfg)).generate(0))
     assert len(b) == 4 and b.metrics["rollout/accepted_groups"] == 2
 
 
 def test_failing_reward_function_is_contained(router):
     cfg = config(rollout_batch_size=3, n_samples_per_prompt=4,
                  custom_rm_function="rollout_plugins.flaky_rm")
-    b = run(RolloutManagerCore(cfg, router).generate(0))
+    b = run(RolloutManagerCore(router_url=router, **components.manager_args(cfg)).generate(0))
     assert b.metrics["rollout/failed_samples"] >= 1
     assert b.metrics["rollout/failed_groups"] >= 1
     assert len(b) == 12 and "failed" not in b.statuses  # whole groups dropped and replaced
@@ -88,7 +89,7 @@ def test_failing_reward_function_is_contained(router):
 def test_group_reward_function(router):
     cfg = config(rollout_batch_size=2, n_samples_per_prompt=3,
                  custom_rm_function="rollout_plugins.group_rm", group_rm=True)
-    b = run(RolloutManagerCore(cfg, router).generate(0))
+    b = run(RolloutManagerCore(router_url=router, **components.manager_args(cfg)).generate(0))
     assert b.rewards == [0.0, 1.0, 2.0] * 2
 
 
@@ -96,7 +97,7 @@ def test_hanging_sample_times_out_as_failed(router):
     cfg = config(rollout_batch_size=2, n_samples_per_prompt=2, sample_timeout_s=1.0,
                  custom_generate_function="rollout_plugins.hang_on_group_1",
                  custom_rm_function="rollout_plugins.flaky_rm")
-    b = run(RolloutManagerCore(cfg, router).generate(0))
+    b = run(RolloutManagerCore(router_url=router, **components.manager_args(cfg)).generate(0))
     assert 1 not in b.group_ids and len(b) == 4
     assert b.metrics["rollout/failed_groups"] >= 1
     assert b.metrics["perf/rollout_time"] < 10
@@ -106,7 +107,7 @@ def test_partial_rollout_buffers_and_resumes(router):
     cfg = config(rollout_batch_size=2, over_sampling_batch_size=4, n_samples_per_prompt=2,
                  partial_rollout=True)
     cfg.env.name = "rollout_plugins.SlowStartEnv"
-    m = RolloutManagerCore(cfg, router)
+    m = RolloutManagerCore(router_url=router, **components.manager_args(cfg))
     b0 = run(m.generate(0))
     assert sorted(set(b0.group_ids)) == [0, 2]
     assert b0.metrics["rollout/aborted_groups"] == 2
@@ -115,7 +116,8 @@ def test_partial_rollout_buffers_and_resumes(router):
     state = m.state_dict()
     cfg2 = config(rollout_batch_size=2, n_samples_per_prompt=2, partial_rollout=True)
     cfg2.env.name = cfg.env.name
-    m2 = RolloutManagerCore(cfg2, router)  # no over-sampling: only the buffered groups run
+    # no over-sampling: only the buffered groups run
+    m2 = RolloutManagerCore(router_url=router, **components.manager_args(cfg2))
     m2.load_state_dict(state)
     SlowStartEnv.hold = False
     try:
@@ -130,7 +132,7 @@ def test_partial_rollout_buffers_and_resumes(router):
 def test_no_partial_rollout_drops_in_flight_groups(router):
     cfg = config(rollout_batch_size=2, over_sampling_batch_size=4, n_samples_per_prompt=2)
     cfg.env.name = "rollout_plugins.SlowStartEnv"
-    m = RolloutManagerCore(cfg, router)
+    m = RolloutManagerCore(router_url=router, **components.manager_args(cfg))
     b = run(m.generate(0))
     assert sorted(set(b.group_ids)) == [0, 2] and m.buffer == []
 
@@ -138,7 +140,7 @@ def test_no_partial_rollout_drops_in_flight_groups(router):
 def test_evaluate_reports_success_reward_turns_format(router):
     cfg = config()
     cfg.eval.n_samples_per_prompt = 2
-    out = run(RolloutManagerCore(cfg, router).evaluate())
+    out = run(RolloutManagerCore(router_url=router, **components.manager_args(cfg)).evaluate())
     mt = out["metrics"]
     for p in ("eval", "eval_greedy"):
         for k in ("success_rate", "mean_reward", "mean_turns", "format_error_rate"):
@@ -151,7 +153,7 @@ def test_evaluate_reports_success_reward_turns_format(router):
 def test_seeded_evaluation_is_paired_across_calls(router):
     cfg = config()
     cfg.eval.n_samples_per_prompt, cfg.eval.greedy = 3, False
-    manager = RolloutManagerCore(cfg, router)
+    manager = RolloutManagerCore(router_url=router, **components.manager_args(cfg))
     responses = lambda out: [(r["label"], r["response"]) for r in out["rows"]]
     first, second = run(manager.evaluate()), run(manager.evaluate())
     assert responses(first) == responses(second)  # same draws for the same (prompt, attempt)
@@ -160,14 +162,14 @@ def test_seeded_evaluation_is_paired_across_calls(router):
         by_prompt.setdefault(label, set()).add(response)
     assert max(len(v) for v in by_prompt.values()) > 1  # attempts of a prompt differ
     cfg.eval.seed = None
-    unseeded = RolloutManagerCore(cfg, router)
+    unseeded = RolloutManagerCore(router_url=router, **components.manager_args(cfg))
     assert responses(run(unseeded.evaluate())) != responses(run(unseeded.evaluate()))
 
 
 def test_arithmetic_env_single_turn(router):
     cfg = config(rollout_batch_size=2, n_samples_per_prompt=2)
     cfg.env.name = "arithmetic"
-    b = run(RolloutManagerCore(cfg, router).generate(0))
+    b = run(RolloutManagerCore(router_url=router, **components.manager_args(cfg)).generate(0))
     assert len(b) == 4 and set(b.rewards) <= {-1.0, 0.0, 1.0}
     assert b.metrics["rollout/mean_turns"] == 1.0
 
@@ -177,7 +179,7 @@ def test_seed_generate_and_rm_run_unchanged_in_the_ray_actor(router, ray_local):
                  custom_generate_function="examples.number_guess_seed.number_guess_generate",
                  custom_rm_function="examples.number_guess_seed.number_guess_rm",
                  extra_config={"max_turns": 6, "log_multi_turn": True})
-    m = RolloutManager.remote(cfg, router)
+    m = RolloutManager.remote(router_url=router, **components.manager_args(cfg))
     b = ray_local.get(m.generate.remote(0))
     assert len(b) == 4
     assert all(len(m) == L for m, L in zip(b.loss_masks, b.response_lengths))
@@ -198,7 +200,7 @@ def test_multi_turn_episodes_through_the_manager(router):
                  stop=list("etaoinshrdlu <>/0123456789"))
     cfg.env.name = "rollout_plugins.EndlessEnv"
     cfg.env.max_turns = 3
-    m = RolloutManagerCore(cfg, router)
+    m = RolloutManagerCore(router_url=router, **components.manager_args(cfg))
     b = run(m.generate(0))
     r = m.state.renderer
     obs = r.observation_ids("<feedback>higher</feedback>", model_closed_turn=False)

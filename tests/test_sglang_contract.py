@@ -24,6 +24,7 @@ import torch
 
 from rollout.engines import SUPPORTED_SGLANG_VERSIONS, PINNED_SGLANG_VERSION, EngineServer, HFLaunch
 from rollout.engines.hf.server import routes as hf_routes
+from trainer.driver import components
 
 sglang_source = pytest.importorskip("sglang_source")
 
@@ -107,7 +108,7 @@ def _record_homegym_traffic(version: str, model_path: str, tmp_path) -> list:
         client.resume_memory(["kv_cache", "cuda_graph"])
         # The rollout's own requests, with every sampling option homegym sets.
         cfg = HomegymConfig(rollout=RolloutConfig(num_engines=1, stop=["</guess>"]))
-        state = GenerateState(RolloutArgs(cfg, url))
+        state = GenerateState(RolloutArgs(url, **components.rollout_sections(cfg)))
         params = sampling_params_from(1.0, 0.9, 5, 4, ["</guess>"])
         params["sampling_seed"] = 3
 

@@ -23,6 +23,7 @@ import torch
 from conftest import compose_config, push_tensors, run_main
 from rollout.engines.actor import SGLANG_CPU_LOADERS
 from rollout.engines.sglang_serving import missing_cpu_flags
+from trainer.driver import components
 
 pytestmark = pytest.mark.slow
 
@@ -51,10 +52,8 @@ def sglang_config(*overrides):
 
 @pytest.fixture(scope="module")
 def group(ray_local, tiny_model_path, tmp_path_factory):
-    from rollout.engines.group import EngineGroup
-
-    g = EngineGroup(sglang_config(), model_path=tiny_model_path,
-                    log_dir=str(tmp_path_factory.mktemp("sglang")))
+    g = components.engine_group(sglang_config(), model_path=tiny_model_path,
+                                log_dir=str(tmp_path_factory.mktemp("sglang")))
     yield g
     g.shutdown()
 
@@ -108,7 +107,8 @@ def rollout_step(group, *overrides):
 
     async def step():
         try:
-            return await RolloutManagerCore(cfg, group.router_url).generate(1)
+            return await RolloutManagerCore(router_url=group.router_url,
+                                            **components.manager_args(cfg)).generate(1)
         finally:
             await close_session()
 
@@ -243,7 +243,7 @@ def test_in_place_update_without_repacking_is_the_known_fault(group, tiny_model_
 def test_killed_engine_is_restarted_registered_and_given_the_weights(group, tiny_model_path):
     import ray
 
-    from trainer.weight_sync.push import send_weights, WeightSync
+    from trainer.weight_sync.push import send_weights
 
     cfg = sglang_config()
     new = sorted(_perturbed(tiny_model_path).items())
@@ -252,7 +252,7 @@ def test_killed_engine_is_restarted_registered_and_given_the_weights(group, tiny
         def send_weights(self, plan):
             return send_weights([new], plan, rank=0, world_size=1)
 
-    sync = WeightSync(cfg, Policy(), group)
+    sync = components.weight_sync(cfg, Policy(), group)
     sync.push(21)
     expected, _ = greedy(group.router_url, [2, 3, 4])
     os.kill(ray.get(group.engines[0].pid.remote()), signal.SIGKILL)
@@ -285,10 +285,9 @@ def test_default_recipe_trains_colocated_on_real_sglang(tmp_path):
 
 @pytest.fixture(scope="module")
 def q35_group(ray_local, tiny_qwen3_5_path, tmp_path_factory):
-    from rollout.engines.group import EngineGroup
-
-    g = EngineGroup(sglang_config("model.path=tiny-qwen3_5"), model_path=tiny_qwen3_5_path,
-                    log_dir=str(tmp_path_factory.mktemp("sglang-q35")))
+    g = components.engine_group(sglang_config("model.path=tiny-qwen3_5"),
+                                model_path=tiny_qwen3_5_path,
+                                log_dir=str(tmp_path_factory.mktemp("sglang-q35")))
     yield g
     g.shutdown()
 

@@ -97,10 +97,11 @@ def test_every_weight_push_to_a_hybrid_model_flushes_the_engines_caches():
     of the moment: every push ends with a flush, in every layout preflight lets through;
     a dense model keeps the rule it had (flush after aborting in-flight requests)."""
     from conftest import compose_config
-    from trainer.weight_sync.push import WeightSync
+    from trainer.driver import components
 
     def flushes(*overrides):
-        return WeightSync(compose_config(*overrides), None, NoEngines()).plan(1).flush_cache
+        sync = components.weight_sync(compose_config(*overrides), None, NoEngines())
+        return sync.plan(1).flush_cache
 
     assert flushes("model.path=tiny-qwen3_5")
     assert flushes("model.path=tiny-qwen3_5", "cluster.colocate=false",

@@ -47,10 +47,10 @@ def evaluate_models(specs: Sequence[str], overrides: Sequence[str] = (),
     or a checkpoint path), evaluated one after the other on the current Ray cluster."""
     import ray
 
-    from rollout.engines.group import EngineGroup
-    from rollout.manager import RolloutManager
-    from trainer.driver.checkpoint import resolve_checkpoint
     from config import compose_config
+    from rollout.manager import RolloutManager
+    from trainer.driver import components
+    from trainer.driver.checkpoint import resolve_checkpoint
     from trainer.driver.runtime import connect_ray
 
     results: dict[str, dict[str, Any]] = {}
@@ -69,10 +69,11 @@ def evaluate_models(specs: Sequence[str], overrides: Sequence[str] = (),
             if not quiet:
                 print(f"homegym eval: {label} ({config.model.path}) with "
                       f"{config.derived.num_engines} {config.rollout.engine} engine(s)", flush=True)
-            engines = EngineGroup(config)
+            engines = components.engine_group(config)
             manager = None
             try:
-                manager = RolloutManager.remote(config, engines.router_url)
+                manager = RolloutManager.remote(router_url=engines.router_url,
+                                                **components.manager_args(config))
                 out = ray.get(manager.evaluate.remote("eval"))
             finally:
                 if manager is not None:

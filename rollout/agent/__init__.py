@@ -81,7 +81,7 @@ def make_agent_generate(agent: Callable, history_policy: str) -> Callable:
                                                    state.sampling_params["max_new_tokens"])),
             max_context_len=state.max_context_len,
             chat_template_kwargs=state.chat_template_kwargs, history_policy=history_policy,
-            timeout=float(args.config.rollout.sample_timeout_s))
+            timeout=float(args.rollout.sample_timeout_s))
 
     agent_generate.__name__ = f"agent_generate[{getattr(agent, '__name__', 'agent')}]"
     return agent_generate

@@ -27,32 +27,34 @@ _CONCURRENCY = 32
 MAX_DISTINCT_EPISODES = 1024
 
 
-async def play_agent_demos(config: Any, tokenizer: Any, num_samples: int, *, seed: int = 0,
+async def play_agent_demos(tokenizer: Any, num_samples: int, *, model: Any, rollout: Any,
+                           data: Any, env: Any, seed: int = 0,
                            splits: Sequence[str] = ("train",)) -> list[Sample]:
-    a = config.rollout.agent
+    a = rollout.agent
     if not a.demo_function:
         raise ValueError("warm-up with rollout.agent.function needs rollout.agent.demo_function"
                          " (the scripted player), or warmup.steps=0")
     agent = load_plugin(a.function, "rollout.agent.function")
     reply = load_object(a.demo_function, "rollout.agent.demo_function")
     # The agent gets the args object it gets in RL; no router is involved here.
-    args = RolloutArgs(config, "http://127.0.0.1:1")
+    args = RolloutArgs("http://127.0.0.1:1", model=model, rollout=rollout, data=data, env=env)
     sources = []
     for split in splits:
-        data = DataSource.from_config(config, split, tokenizer, n_samples_per_prompt=1)
-        data.reseed(seed)
-        sources.append(data)
+        source = DataSource.for_split(split, tokenizer, data=data, env=env,
+                                      n_samples_per_prompt=1)
+        source.reseed(seed)
+        sources.append(source)
     sem = asyncio.Semaphore(_CONCURRENCY)
 
     async def one(k: int, sample: Sample) -> list[Sample]:
         policy = ScriptedChatPolicy(reply, sample, tokenizer, random.Random(seed * 1_000_003 + k))
         async with sem:
             return await run_agent(agent, args, sample, policy, tokenizer=tokenizer,
-                                   max_new_tokens=config.rollout.max_response_len,
-                                   max_context_len=config.model.max_context_len,
-                                   chat_template_kwargs=config.data.apply_chat_template_kwargs,
+                                   max_new_tokens=rollout.max_response_len,
+                                   max_context_len=model.max_context_len,
+                                   chat_template_kwargs=data.apply_chat_template_kwargs,
                                    history_policy=a.history_policy,
-                                   timeout=config.rollout.sample_timeout_s)
+                                   timeout=rollout.sample_timeout_s)
 
     distinct = min(num_samples, MAX_DISTINCT_EPISODES)
     groups = [sources[k % len(sources)].next_group()[0] for k in range(distinct)]

@@ -81,7 +81,7 @@ def _client(options: dict, base_url: str, args: Any) -> Any:
 
         return vf.TrainClientConfig(**common, renderer=options.get("renderer"),
                                     renderer_model_name=resolve_model_path(
-                                        args.config.model.path))
+                                        args.model.path))
     raise ValueError(f"rollout.extra_config.verifiers.client: {kind!r}; expected eval or train")
 
 
@@ -104,8 +104,8 @@ async def agent(client: Any, sample: Any, args: Any) -> float:
         raise ValueError(f"task {idx}: taskset {options['taskset']!r} has {len(all_tasks)} tasks")
     task = all_tasks[idx]
     sampling = {}
-    if options.get("client") == "train" and args.config.data.apply_chat_template_kwargs:
-        sampling["chat_template_kwargs"] = dict(args.config.data.apply_chat_template_kwargs)
+    if options.get("client") == "train" and args.data.apply_chat_template_kwargs:
+        sampling["chat_template_kwargs"] = dict(args.data.apply_chat_template_kwargs)
     ctx = vf.ModelContext(model=MODEL, client=_client(options, str(client.base_url), args),
                           sampling=vf.Sampling(**sampling))
     # An Env is cheap (about a millisecond) and holds its serving state: one per episode.

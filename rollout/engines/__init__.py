@@ -15,7 +15,7 @@ Submodules import lazily-heavy things (torch, ray) only where needed.
 """
 
 from rollout.engines.actor import (EngineServer, HFLaunch, LaunchSpec, SGLangLaunch, free_port,
-                                   remote_actor_class, spec_from_config)
+                                   remote_actor_class, launch_spec)
 from rollout.engines.client import (PINNED_SGLANG_VERSION, SUPPORTED_SGLANG_VERSIONS,
                                     EngineClient, EngineError, UnsupportedEngineVersion)
 from rollout.engines.group import EngineGroup, EngineTarget
@@ -26,5 +26,5 @@ from rollout.engines.weights_io import (MultiprocessingSerializer, init_custom_p
 __all__ = ["EngineGroup", "EngineTarget", "EngineServer", "EngineClient", "EngineError",
            "UnsupportedEngineVersion", "PINNED_SGLANG_VERSION", "SUPPORTED_SGLANG_VERSIONS",
            "LaunchSpec", "HFLaunch", "SGLangLaunch", "Router", "free_port", "remote_actor_class",
-           "spec_from_config", "MultiprocessingSerializer", "init_custom_process_group",
+           "launch_spec", "MultiprocessingSerializer", "init_custom_process_group",
            "serialize_for_sglang"]

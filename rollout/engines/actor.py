@@ -412,11 +412,14 @@ def remote_actor_class():
     return ray.remote(EngineServer)
 
 
-def spec_from_config(config, model_path: str, *, engine_kind: Optional[str] = None,
-                     base_gpu_id: int = 0, index: int = 0) -> LaunchSpec:
-    """The launch spec of engine ``index`` of a run, from a HomegymConfig."""
-    kind = engine_kind or config.rollout.engine
-    m, c, r = config.model, config.cluster, config.rollout
+def launch_spec(model, rollout, cluster, model_path: str, *, seed: int, lora=None,
+                engine_kind: Optional[str] = None, base_gpu_id: int = 0,
+                index: int = 0) -> LaunchSpec:
+    """The launch spec of engine ``index`` of a run, from the model, rollout and cluster
+    sections. ``seed`` + index seeds SGLang's sampling; ``lora`` (a ``train.lora``
+    section) when the engines serve the adapters the trainer pushes."""
+    kind = engine_kind or rollout.engine
+    m, c, r = model, cluster, rollout
     common = dict(model_path=model_path, host=c.host, num_nodes=c.num_nodes,
                   max_context_len=m.max_context_len, dtype=r.dtype or m.dtype,
                   torch_threads=c.torch_threads)
@@ -427,18 +430,17 @@ def spec_from_config(config, model_path: str, *, engine_kind: Optional[str] = No
         return SGLangLaunch(device=c.device, tp_size=r.num_gpus_per_engine,
                             mem_fraction_static=r.mem_fraction_static, base_gpu_id=base_gpu_id,
                             enable_memory_saver=c.colocate and c.device == "cuda",
-                            random_seed=config.train.seed + index,
+                            random_seed=seed + index,
                             python=r.sglang_python or sys.executable,
                             max_total_tokens=r.sglang_max_total_tokens,
                             mamba_full_memory_ratio=r.sglang_mamba_full_memory_ratio,
                             max_mamba_cache_size=r.sglang_max_mamba_cache_size,
-                            extra_args=tuple(r.sglang_args), **_lora_args(config), **common)
+                            extra_args=tuple(r.sglang_args), **_lora_args(lora), **common)
     raise ValueError(f"rollout.engine must be hf or sglang (got {kind!r})")
 
 
-def _lora_args(config) -> dict:
+def _lora_args(lora) -> dict:
     """LoRA serving flags of an engine that receives adapters (train.lora.push)."""
-    if config.derived.lora_push != "adapter":
+    if lora is None:
         return {}
-    lora = config.train.lora
     return dict(lora_rank=lora.rank, lora_target_modules=tuple(lora.target_modules))

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from rollout.engines.actor import LaunchSpec, bind_host, remote_actor_class, spec_from_config
+from rollout.engines.actor import LaunchSpec, bind_host, launch_spec, remote_actor_class
 from rollout.engines.client import EngineClient
 from rollout.engines.router import Router
 
@@ -97,17 +97,20 @@ class EngineView(_FanOut):
 
 
 class EngineGroup(_FanOut):
-    def __init__(self, config, placement: Optional[Sequence[Any]] = None, *,
-                 num_engines: Optional[int] = None, model_path: Optional[str] = None,
+    def __init__(self, model, rollout, cluster, placement: Optional[Sequence[Any]] = None, *,
+                 num_engines: int, seed: int, lora=None, model_path: Optional[str] = None,
                  log_dir: Optional[str] = None, start: bool = True):
         """``placement``: optional per-engine Ray scheduling — a list (one entry per engine)
         of Ray scheduling strategies or ``(placement_group, bundle_index)`` pairs, or a
         ``trainer.training.placement.Placement`` (then its engine_strategy / engine_resources /
-        engine_gpu_ids are used); default none (Ray places the actors)."""
+        engine_gpu_ids are used); default none (Ray places the actors). ``seed``: engine
+        i's sampling seed is seed + i; ``lora``: the ``train.lora`` section when the engines
+        serve pushed adapters (``config.derived.lora_push == "adapter"``), else None."""
         from rollout.models import resolve_model_path
 
-        self.config = config
-        self.num_engines = num_engines if num_engines is not None else config.derived.num_engines
+        self.model, self.rollout, self.cluster = model, rollout, cluster
+        self.seed, self.lora = seed, lora
+        self.num_engines = num_engines
         if self.num_engines < 1:
             raise ValueError(f"num_engines must be >= 1 (got {self.num_engines})")
         self.resources = None  # (num_cpus, num_gpus) per actor when a Placement says so
@@ -115,13 +118,13 @@ class EngineGroup(_FanOut):
         if placement is not None and hasattr(placement, "engine_strategy"):
             res = placement.engine_resources()
             self.resources = (res.num_cpus, res.num_gpus)
-            if config.cluster.device == "cuda":
+            if cluster.device == "cuda":
                 self.gpu_ids = [placement.engine_gpu_ids(i) for i in range(self.num_engines)]
             placement = [placement.engine_strategy(i) for i in range(self.num_engines)]
         if placement is not None and len(placement) < self.num_engines:
             raise ValueError(f"placement has {len(placement)} entries for {self.num_engines} engines")
         self.placement = list(placement) if placement is not None else None
-        self.model_path = model_path or resolve_model_path(config.model.path, config.model.cache_dir)
+        self.model_path = model_path or resolve_model_path(model.path, model.cache_dir)
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="hg-engines-")
         self.engines: list[Any] = []  # Ray actor handles, engine order
         self.urls: list[str] = []
@@ -137,14 +140,14 @@ class EngineGroup(_FanOut):
     def _options(self, index: int) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        rollout = self.config.rollout
-        gpu = self.config.cluster.device == "cuda"
+        rollout = self.rollout
+        gpu = self.cluster.device == "cuda"
         opts: dict = {"num_cpus": 1 if not gpu else 0.1,
                       "num_gpus": rollout.num_gpus_per_engine if gpu else 0,
                       # A sync actor runs its methods on one long-lived thread, which matters:
                       # the server dies with the thread that launched it (PDEATHSIG).
                       "max_concurrency": 1,
-                      "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(self.config.cluster.torch_threads),
+                      "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(self.cluster.torch_threads),
                                                    "TOKENIZERS_PARALLELISM": "false"}}}
         if self.resources is not None:
             opts["num_cpus"], opts["num_gpus"] = self.resources
@@ -167,7 +170,7 @@ class EngineGroup(_FanOut):
 
     @property
     def tp_sizes(self) -> list[int]:
-        return [self.config.rollout.num_gpus_per_engine] * len(self.engines)
+        return [self.rollout.num_gpus_per_engine] * len(self.engines)
 
     def _set_url(self, index: int, url: str) -> None:
         self.urls[index] = url
@@ -175,7 +178,8 @@ class EngineGroup(_FanOut):
 
     def _spawn(self, index: int, spec: Optional[LaunchSpec] = None):
         if spec is None:
-            spec = spec_from_config(self.config, self.model_path, index=index)
+            spec = launch_spec(self.model, self.rollout, self.cluster, self.model_path,
+                               seed=self.seed, lora=self.lora, index=index)
             if self.gpu_ids is not None and index < len(self.gpu_ids):
                 # The actor holds a fraction of one GPU; its server gets all of its GPUs.
                 spec.env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_ids[index]))
@@ -192,10 +196,10 @@ class EngineGroup(_FanOut):
         self.names = [n for _, n, _ in pending]
         self.urls = ray.get([ref for _, _, ref in pending])  # engines start in parallel
         self.clients = [EngineClient(u, None, name=n) for u, n in zip(self.urls, self.names)]
-        cluster = self.config.cluster
+        cluster = self.cluster
         node_ip = ray.util.get_node_ip_address() if cluster.num_nodes > 1 else None
         self.router = Router(host=bind_host(cluster.host, cluster.num_nodes, node_ip),
-                             port=self.config.rollout.router_port,
+                             port=self.rollout.router_port,
                              tokenizer_path=self.model_path,
                              log_dir=os.path.join(self.log_dir, "router"))
         os.makedirs(self.router.log_dir, exist_ok=True)

@@ -292,13 +292,14 @@ class Driver:
 
         from rollout.demos import make_demos
         from rollout.sample import RolloutBatch
+        from trainer.driver import components
 
         cfg = self.config.warmup
         tokenizer = AutoTokenizer.from_pretrained(
             resolve_model_path(self.config.model.path, self.config.model.cache_dir))
         start = time.perf_counter()
-        demos = make_demos(self.config, tokenizer, cfg.steps * cfg.batch_size, seed=cfg.seed,
-                           splits=cfg.splits)
+        demos = make_demos(tokenizer, cfg.steps * cfg.batch_size, seed=cfg.seed,
+                           splits=cfg.splits, **components.rollout_sections(self.config))
         for s in demos:
             s.reward = 0.0  # SFT ignores rewards; the batch format requires one
         print(f"warm-up: {len(demos)} scripted transcripts ({'+'.join(cfg.splits)} prompts) in "

@@ -120,36 +120,35 @@ class Runtime:
         self.stop_requested = False
 
     def __enter__(self) -> "Runtime":
-        from rollout.engines.group import EngineGroup
         from rollout.manager import RolloutManager
-        from trainer.training.placement import Placement
-        from trainer.training.train_group import TrainGroup
-        from trainer.weight_sync.push import WeightSync
+        from trainer.driver import components
 
+        config = self.config
         try:
-            self._started_ray = connect_ray(self.config)
+            self._started_ray = connect_ray(config)
             # After ray.init, which installs a SIGTERM handler of its own in the driver.
             self._install_signal_handlers()
-            self.placement = Placement(self.config)
+            self.placement = components.placement(config)
             _progress(f"starting {self.config.derived.num_engines} {self.config.rollout.engine} "
                       "engines")
-            self.engines = EngineGroup(self.config, self.placement,
-                                       log_dir=str(self.run_dir / "logs" / "engines"))
+            self.engines = components.engine_group(
+                config, self.placement, log_dir=str(self.run_dir / "logs" / "engines"))
             _progress(f"starting {self.config.train.world_size} {self.config.train.backend} "
                       "training ranks")
-            self.train_group = TrainGroup(self.config, self.placement)
-            self.manager = RolloutManager.remote(self.config, self.engines.router_url)
-            if self.config.derived.lora_push == "adapter":
+            self.train_group = components.train_group(config, self.placement)
+            self.manager = RolloutManager.remote(router_url=self.engines.router_url,
+                                                 **components.manager_args(config))
+            if config.derived.lora_push == "adapter":
                 from trainer.weight_sync.adapter import AdapterSync
 
                 manager = self.manager
                 self.weights = AdapterSync(
-                    self.config, self.train_group, self.engines,
+                    config.train, self.train_group, self.engines,
                     disk_dir=str(self.run_dir / "weight_push"),
                     announce=lambda name: ray.get(manager.set_lora_adapter.remote(name)))
             else:
-                self.weights = WeightSync(self.config, self.train_group, self.engines,
-                                          disk_dir=str(self.run_dir / "weight_push"))
+                self.weights = components.weight_sync(config, self.train_group, self.engines,
+                                                      disk_dir=str(self.run_dir / "weight_push"))
             _progress("ready")
         except BaseException:
             self.close()

@@ -84,8 +84,8 @@ class Endpoint:
         of the process (so training and further endpoints reuse it) unless ``own_ray``."""
         from rollout.agent.serving import ChatService
         from rollout.chat import load_tokenizer
-        from rollout.engines.group import EngineGroup
         from config import compose_config
+        from trainer.driver import components
         from trainer.driver.runtime import connect_ray
 
         hydra_overrides, values = _model_overrides(model, checkpoint)
@@ -98,7 +98,7 @@ class Endpoint:
 
         key = choose_api_key(unauthenticated, api_key)
         started_ray = connect_ray(config) and own_ray
-        engines = EngineGroup(config)
+        engines = components.engine_group(config)
         model_name = str(checkpoint) if checkpoint is not None else config.model.path
         chat = ChatService(engines.router_url, load_tokenizer(engines.model_path),
                            config.model.max_context_len)

@@ -32,23 +32,24 @@ class ActorResources:
 
 
 class Placement:
-    """Creates the placement group from the config and hands out strategies by name.
+    """Creates the placement group for ``num_engines`` engines of ``gpus_per_engine`` GPUs
+    (rollout.num_gpus_per_engine) and ``num_train_ranks`` training ranks on the
+    ``cluster`` section's nodes, and hands out strategies by name.
 
     ``cpus_per_gpu_bundle``: CPUs reserved next to each GPU (tokenizer, data, server
     processes); unused on CPU boxes.
     """
 
-    def __init__(self, config, *, cpus_per_gpu_bundle: int = 1, timeout_s: float = 120.0) -> None:
+    def __init__(self, cluster, *, num_engines: int, gpus_per_engine: int, num_train_ranks: int,
+                 cpus_per_gpu_bundle: int = 1, timeout_s: float = 120.0) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        self.config = config
-        cluster, rollout = config.cluster, config.rollout
         self.gpu = cluster.device == "cuda"
         self.colocate = cluster.colocate
-        self.num_train = config.train.world_size
-        self.num_engines = config.derived.num_engines
-        self.gpus_per_engine = rollout.num_gpus_per_engine if self.gpu else 1
+        self.num_train = num_train_ranks
+        self.num_engines = num_engines
+        self.gpus_per_engine = gpus_per_engine if self.gpu else 1
         if self.gpu and cluster.gpus_per_node % self.gpus_per_engine:
             raise ValueError(f"rollout.num_gpus_per_engine={self.gpus_per_engine} must divide "
                              f"cluster.gpus_per_node={cluster.gpus_per_node} so no engine "

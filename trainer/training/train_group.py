@@ -24,14 +24,20 @@ import ray
 
 
 class TrainActor:
-    """One training rank (use through ``TrainGroup``; wrapped with ``ray.remote`` there)."""
+    """One training rank (use through ``TrainGroup``; wrapped with ``ray.remote`` there).
+    ``backend_args``: what ``TrainBackend.init`` takes besides rank and world size (the
+    model, train, algo, warmup and cluster sections, share_prompts,
+    total_optimizer_steps)."""
 
-    def __init__(self, config, rank: int, world_size: int) -> None:
-        os.environ.setdefault("OMP_NUM_THREADS", str(config.cluster.torch_threads))
+    def __init__(self, rank: int, world_size: int, **backend_args: Any) -> None:
+        cluster = backend_args["cluster"]
+        os.environ.setdefault("OMP_NUM_THREADS", str(cluster.torch_threads))
         import torch
 
-        torch.set_num_threads(config.cluster.torch_threads)
-        self.config, self.rank, self.world_size = config, rank, world_size
+        torch.set_num_threads(cluster.torch_threads)
+        self.rank, self.world_size = rank, world_size
+        self.device, self.backend_name = cluster.device, backend_args["train"].backend
+        self.backend_args = backend_args
         self.backend = None
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -46,12 +52,12 @@ class TrainActor:
 
         from trainer.training.backends import make_backend
 
-        backend = "nccl" if self.config.cluster.device == "cuda" else "gloo"
+        backend = "nccl" if self.device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{master_address}:{master_port}",
                                 rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(minutes=30))
-        self.backend = make_backend(self.config.train.backend)
-        self.backend.init(self.config, self.rank, self.world_size)
+        self.backend = make_backend(self.backend_name)
+        self.backend.init(rank=self.rank, world_size=self.world_size, **self.backend_args)
 
     def train_step(self, batch) -> dict[str, float]:
         return self.backend.train_step(batch)
@@ -163,12 +169,17 @@ class TrainGroup:
     """``world_size`` training ranks behind one object; every method fans out to all.
 
     ``placement`` is a ``trainer.training.placement.Placement``; without one the actors are
-    scheduled freely (tests, a single process slot per rank).
+    scheduled freely (tests, a single process slot per rank). The sections and values
+    every rank's backend is built from: ``TrainBackend.init``'s (trainer/training/backends/
+    base.py).
     """
 
-    def __init__(self, config, placement=None) -> None:
-        self.config = config
-        self.world_size = config.train.world_size
+    def __init__(self, model, train, algo, warmup, cluster, placement=None, *,
+                 share_prompts: bool, total_optimizer_steps: int) -> None:
+        self.world_size = train.world_size
+        backend_args = dict(model=model, train=train, algo=algo, warmup=warmup, cluster=cluster,
+                            share_prompts=share_prompts,
+                            total_optimizer_steps=total_optimizer_steps)
         actor_cls = ray.remote(TrainActor)
         self.actors = []
         for rank in range(self.world_size):
@@ -178,11 +189,12 @@ class TrainGroup:
                     num_cpus=res.num_cpus, num_gpus=res.num_gpus,
                     scheduling_strategy=placement.train_strategy(rank))
             else:
-                gpu = config.cluster.device == "cuda"
+                gpu = cluster.device == "cuda"
                 options = dict(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0)
-            env = {"OMP_NUM_THREADS": str(config.cluster.torch_threads)}
+            env = {"OMP_NUM_THREADS": str(cluster.torch_threads)}
             self.actors.append(actor_cls.options(
-                runtime_env={"env_vars": env}, **options).remote(config, rank, self.world_size))
+                runtime_env={"env_vars": env}, **options).remote(rank, self.world_size,
+                                                                 **backend_args))
         address, port = ray.get(self.actors[0].rendezvous_address.remote())
         ray.get([a.init.remote(address, port) for a in self.actors])
 

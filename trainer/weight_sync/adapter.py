@@ -52,14 +52,13 @@ class AdapterSync:
 
     mode = "adapter"
 
-    def __init__(self, config, train_group, engines, *, disk_dir: str,
+    def __init__(self, train, train_group, engines, *, disk_dir: str,
                  announce: Callable[[str], None]) -> None:
-        self.config = config
         self.train_group = train_group
         self.engines = engines
         self.disk_dir = disk_dir
         self.announce = announce
-        self.bucket_bytes = config.train.weight_bucket_mb * 2**20  # for HF exports
+        self.bucket_bytes = train.weight_bucket_mb * 2**20  # for HF exports
 
     def push(self, version: int, engines=None) -> dict[str, float]:
         """Write the adapter, load it into every engine (or ``engines``, an EngineView)

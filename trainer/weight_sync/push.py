@@ -94,19 +94,20 @@ def broadcast_ranks(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
 
 
 class WeightSync:
-    """Driver-side: one per run (built by the Runtime); ``push(version)`` per update."""
+    """Driver-side: one per run (built by the Runtime); ``push(version)`` per update.
+    ``mode``: ``config.derived.weight_sync``; the sections give the bucket size (train),
+    the engines' dtype (rollout, model) and the layout (cluster)."""
 
-    def __init__(self, config, train_group, engines, *, mode: Optional[str] = None,
+    def __init__(self, train, rollout, model, cluster, train_group, engines, *, mode: str,
                  disk_dir: str = "") -> None:
-        mode = mode or config.derived.weight_sync
         if mode not in ("tensor", "distributed", "disk"):
             raise ValueError(f"weight sync mode must be tensor, distributed or disk (got {mode!r})")
-        self.config = config
+        self.rollout, self.model, self.cluster = rollout, model, cluster
         self.train_group = train_group
         self.engines = engines
         self.mode = mode
         self.disk_dir = disk_dir
-        self.bucket_bytes = config.train.weight_bucket_mb * 2**20
+        self.bucket_bytes = train.weight_bucket_mb * 2**20
         self._group_targets: Optional[tuple] = None  # engines of a usable broadcast group
         self._group_name = ""  # the group rank 0 is in (usable or not)
         self._group_members: tuple = ()  # the engines asked to join it
@@ -115,21 +116,21 @@ class WeightSync:
         # weights: every push flushes them (trainer/driver/preflight.py refuses the one layout
         # where a flush cannot happen, requests waiting in place).
         self.flush_always = is_hybrid(read_config(
-            resolve_model_path(config.model.path, config.model.cache_dir)))
+            resolve_model_path(model.path, model.cache_dir)))
 
     def plan(self, version: int, engines=None) -> PushPlan:
-        cfg = self.config
+        rollout, cluster = self.rollout, self.cluster
         return PushPlan(
             mode=self.mode, version=version, targets=tuple((engines or self.engines).targets()),
-            bucket_bytes=self.bucket_bytes, dtype=cfg.rollout.dtype or cfg.model.dtype,
-            device="cuda" if cfg.cluster.device == "cuda" else "cpu",
-            flush_cache=self.flush_always or (not cfg.cluster.colocate
-                                              and cfg.rollout.update_in_flight == "abort"),
+            bucket_bytes=self.bucket_bytes, dtype=rollout.dtype or self.model.dtype,
+            device="cuda" if cluster.device == "cuda" else "cpu",
+            flush_cache=self.flush_always or (not cluster.colocate
+                                              and rollout.update_in_flight == "abort"),
             group_name=self._group_name, disk_dir=self.disk_dir,
             # SGLang's CPU backend computes garbage after an in-place update unless its AMX
             # weights are re-packed (rollout/engines/sglang_plugins/homegym_sglang_cpu.py).
-            loaders=SGLANG_CPU_LOADERS if (cfg.rollout.engine == "sglang"
-                                           and cfg.cluster.device == "cpu") else ())
+            loaders=SGLANG_CPU_LOADERS if (rollout.engine == "sglang"
+                                           and cluster.device == "cpu") else ())
 
     def push(self, version: int, engines=None) -> dict[str, float]:
         """Load the trainer's current weights into every engine (or into ``engines``, an
@@ -155,7 +156,7 @@ class WeightSync:
         """Form a broadcast group of rank 0 and ``plan``'s engines, in place of the previous
         one; returns its name (new each time: a process cannot create two groups of one
         name)."""
-        backend = "nccl" if self.config.cluster.device == "cuda" else "gloo"
+        backend = "nccl" if self.cluster.device == "cuda" else "gloo"
         self._destroy_group()
         self._groups_made += 1
         name = f"{GROUP_NAME}_{self._groups_made}"

@@ -25,8 +25,11 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 
 @runtime_checkable
 class TrainBackend(Protocol):
-    def init(self, config, rank: int, world_size: int) -> None:
-        """Build model, optimizer and (if algo.kl_coef > 0) the frozen reference."""
+    def init(self, model, train, algo, warmup, cluster, *, rank: int, world_size: int,
+             share_prompts: bool, total_optimizer_steps: int) -> None:
+        """Build model, optimizer and (if algo.kl_coef > 0) the frozen reference, from the
+        config sections named (``warmup``: the SFT step's LR) and two derived values
+        (``config.derived``: share_prompts, total_optimizer_steps, the LR decay horizon)."""
 
     def log_probs(self, batch: BatchLike) -> list[torch.Tensor]:
         """Per sample, the current policy's log-probs of its response tokens."""

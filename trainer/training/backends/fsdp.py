@@ -27,7 +27,6 @@ from trainer.training.backends.batching import (
     plan_step)
 from trainer.training.backends import packed_attention
 from trainer.training.backends.rl_step import StepLoop, per_sample_log_probs
-from trainer.training.backends.schedule import total_optimizer_steps
 from rollout.models import cache_kwarg, keeps_boolean_logits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,38 +58,38 @@ def _kept(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 class FSDPBackend(StepLoop):
     """One training rank. Call ``init`` after ``torch.distributed`` is initialised."""
 
-    def init(self, config, rank: int, world_size: int) -> None:
+    def init(self, model, train, algo, warmup, cluster, *, rank: int, world_size: int,
+             share_prompts: bool, total_optimizer_steps: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        torch.set_num_threads(config.cluster.torch_threads)
-        self.config = config
+        torch.set_num_threads(cluster.torch_threads)
+        self.model_cfg, self.train, self.algo, self.warmup = model, train, algo, warmup
+        self.share_prompts = share_prompts
         self.rank, self.world_size = rank, world_size
-        if config.cluster.device == "cuda":
+        if cluster.device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes this rank's GPU as device 0
             self.device = torch.device("cuda", 0)
         else:
             self.device = torch.device("cpu")
-        torch.manual_seed(config.train.seed)
+        torch.manual_seed(train.seed)
         self.mesh = init_device_mesh(self.device.type, (world_size,))
-        self.lora = config.train.lora if config.train.lora.enabled else None
+        self.lora = train.lora if train.lora.enabled else None
         self.lora_layers: dict[str, float] = {}  # adapted module -> scaling (LoRA runs)
         self.model = self._build_model(trainable=True)
-        self.use_ref = config.algo.kl_coef > 0
+        self.use_ref = algo.kl_coef > 0
         # A LoRA policy's reference is its own base: the model with adapters switched off.
         self.ref_model = (self._build_model(trainable=False)
                           if self.use_ref and self.lora is None else None)
-        train = config.train
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=train.lr,
             betas=(train.adam_beta1, train.adam_beta2), weight_decay=train.weight_decay)
         self.optimizer_steps = 0  # RL optimizer steps (drives the LR schedule)
         self.sft_steps = 0
         self.pad_token_id = self.model.config.pad_token_id or 0
-        self.share_prompts = config.derived.share_prompts
         self.cache_kw = cache_kwarg(self.model)
         # Otherwise the LM head runs at every position and _kept selects (more work).
         self.bool_keep = keeps_boolean_logits(self.model)
-        self.total_optimizer_steps = total_optimizer_steps(config.rollout, train)
+        self.total_optimizer_steps = total_optimizer_steps
 
     def _build_model(self, *, trainable: bool) -> torch.nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -98,14 +97,14 @@ class FSDPBackend(StepLoop):
 
         from rollout.models import resolve_model_path
 
-        cfg = self.config.model
+        cfg = self.model_cfg
         path = resolve_model_path(cfg.path, cfg.cache_dir)
         dtype = _DTYPES[cfg.dtype]
         # Master weights stay fp32 (AdamW on bf16 weights loses small updates); a lower
         # model.dtype becomes FSDP's compute dtype. The reference model never steps.
         load_dtype = torch.float32 if trainable else dtype
         # Shared prefixes need their own attention (SDPA over re-padded packed suffixes).
-        attn = (packed_attention.register() if self.config.derived.share_prompts
+        attn = (packed_attention.register() if self.share_prompts
                 else cfg.attn_implementation)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype,
                                                      attn_implementation=attn)
@@ -114,7 +113,7 @@ class FSDPBackend(StepLoop):
             from trainer.training.backends.lora import apply_lora
 
             self.lora_layers = apply_lora(model, self.lora)
-        if self.config.train.gradient_checkpointing and trainable:
+        if self.train.gradient_checkpointing and trainable:
             model.gradient_checkpointing_enable()
             if self.lora is not None:  # frozen embeddings: checkpointed inputs need grad
                 model.enable_input_require_grads()
@@ -197,7 +196,7 @@ class FSDPBackend(StepLoop):
     def _plan(self, batch: BatchLike, global_batch_size: Optional[int], skip=frozenset()):
         return plan_step(batch, rank=self.rank, world_size=self.world_size,
                          global_batch_size=global_batch_size,
-                         max_tokens=self.config.train.max_tokens_per_micro_batch,
+                         max_tokens=self.train.max_tokens_per_micro_batch,
                          keep_groups=self.share_prompts, skip=skip)
 
     def log_probs(self, batch: BatchLike) -> list[torch.Tensor]:
@@ -228,7 +227,7 @@ class FSDPBackend(StepLoop):
     def _optimizer_step(self) -> float:
         """Clip, step, zero; returns the global grad norm (before clipping)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.config.train.grad_clip or float("inf")
+        max_norm = self.train.grad_clip or float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
@@ -336,7 +335,7 @@ class FSDPBackend(StepLoop):
 
         tensors = dict(self.adapter_tensors())
         if self.rank == 0:
-            cfg = self.config.model
+            cfg = self.model_cfg
             save_adapter(tensors, self.lora, resolve_model_path(cfg.path, cfg.cache_dir), out_dir)
 
     # ----------------------------------------------------------------- checkpoints

@@ -69,13 +69,12 @@ def micro_batch_advantages(algo, batch: BatchLike, mbs: list[MicroBatch],
             if mb.num_seqs else r for r, mb in zip(returns, mbs)]
 
 
-def zero_advantage_samples(config, batch: BatchLike) -> frozenset[int]:
+def zero_advantage_samples(algo, train, batch: BatchLike) -> frozenset[int]:
     """Samples whose loss and gradient are exactly zero, so training can skip their
     forward and backward: a sequence-level advantage of 0 (e.g. a GRPO group whose
     rewards are all equal) with no KL or entropy term. Empty when train.skip_zero_advantage
     is off or another term would still give them a gradient."""
-    algo = config.algo
-    if (not config.train.skip_zero_advantage or algo.advantage_estimator not in SEQUENCE_ESTIMATORS
+    if (not train.skip_zero_advantage or algo.advantage_estimator not in SEQUENCE_ESTIMATORS
             or algo.kl_coef > 0 or algo.entropy_coef > 0):
         return frozenset()
     adv = sequence_advantages(algo.advantage_estimator, torch.tensor(batch.rewards, dtype=torch.float32),
@@ -149,9 +148,10 @@ def _add(sums: dict, metrics: dict) -> None:
 
 class StepLoop:
     """``train_step`` and ``sft_step`` of a backend, over its hooks (the ``_`` methods
-    below that raise). The backend's ``init`` sets ``config``, ``device``, ``optimizer``,
-    ``optimizer_steps`` (RL steps: the LR schedule's position), ``sft_steps`` and
-    ``total_optimizer_steps`` (``schedule.total_optimizer_steps``)."""
+    below that raise). The backend's ``init`` sets the sections ``train``, ``algo`` and
+    ``warmup``, ``device``, ``optimizer``, ``optimizer_steps`` (RL steps: the LR schedule's
+    position), ``sft_steps`` and ``total_optimizer_steps``
+    (``config.derived.total_optimizer_steps``)."""
 
     # ----------------------------------------------------------------- hooks
     def _begin_step(self) -> None:
@@ -217,11 +217,11 @@ class StepLoop:
         start = time.perf_counter()
         check_batch(batch)
         self._begin_step()
-        algo, train = self.config.algo, self.config.train
+        algo, train = self.algo, self.train
         if algo.policy_loss == "sft":
             return self.sft_step(batch)
         ranges = minibatch_ranges(len(batch.tokens), train.global_batch_size)
-        skip = zero_advantage_samples(self.config, batch)
+        skip = zero_advantage_samples(algo, train, batch)
         plan = self._plan(batch, train.global_batch_size, skip)
         mbs = [[self._micro_batch(batch, ids) for ids in step] for step in plan]
         flat_mbs = [mb for step in mbs for mb in step]
@@ -282,7 +282,7 @@ class StepLoop:
         self._begin_step()
         mbs = [self._micro_batch(batch, ids) for ids in self._plan(batch, None)[0]]
         norms = step_norms(batch, range(len(batch.tokens)))
-        self._set_lr(self.config.warmup.lr)
+        self._set_lr(self.warmup.lr)
         sums: dict[str, torch.Tensor] = {}
 
         def loss_of(j, mb, logp, entropy):
@@ -296,6 +296,6 @@ class StepLoop:
         grad_norm = self._optimizer_step()
         self.sft_steps += 1
         out = self._all_reduce_metrics(sums, SFT_METRIC_KEYS)
-        out.update({"train/grad_norm": grad_norm, "train/lr": self.config.warmup.lr,
+        out.update({"train/grad_norm": grad_norm, "train/lr": self.warmup.lr,
                     "perf/train_time": time.perf_counter() - start})
         return out

@@ -24,12 +24,3 @@ def lr_at(step: int, *, lr: float, min_lr: float, schedule: str, warmup_steps: i
         return lr + (min_lr - lr) * progress
     raise ValueError(f"train.lr_schedule: must be constant, cosine or linear (got {schedule!r})")
 
-
-def total_optimizer_steps(rollout, train) -> int:
-    """Optimizer steps of the whole run, the horizon of the LR decay (``rollout``:
-    RolloutConfig, ``train``: TrainConfig): ``train.num_steps`` rollouts of
-    rollout_batch_size x n_samples_per_prompt samples, ``global_batch_size`` samples per
-    optimizer step (None: the whole rollout)."""
-    samples = rollout.rollout_batch_size * rollout.n_samples_per_prompt
-    per_rollout = samples // (train.global_batch_size or samples)
-    return max(train.num_steps * per_rollout, 1)

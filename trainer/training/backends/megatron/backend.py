@@ -42,7 +42,6 @@ from trainer.training.backends.batching import (
     BatchLike, MicroBatch, build_micro_batch, check_batch, plan_step)
 from trainer.training.backends.megatron import hf_map
 from trainer.training.backends.rl_step import StepLoop, per_sample_log_probs
-from trainer.training.backends.schedule import total_optimizer_steps
 
 log = logging.getLogger("homegym.megatron")
 
@@ -82,11 +81,13 @@ class MegatronBackend(StepLoop):
     """One training rank. Call ``init`` after ``torch.distributed`` is initialised."""
 
     # ----------------------------------------------------------------- setup
-    def init(self, config, rank: int, world_size: int) -> None:
-        torch.set_num_threads(config.cluster.torch_threads)
-        self.config = config
+    def init(self, model, train, algo, warmup, cluster, *, rank: int, world_size: int,
+             share_prompts: bool, total_optimizer_steps: int) -> None:
+        """``share_prompts`` is always false here (config validation: FSDP only)."""
+        torch.set_num_threads(cluster.torch_threads)
+        self.train, self.algo, self.warmup = train, algo, warmup
         self.rank, self.world_size = rank, world_size
-        self.cpu = config.cluster.device != "cuda" or not torch.cuda.is_available()
+        self.cpu = cluster.device != "cuda" or not torch.cuda.is_available()
         if self.cpu:
             from trainer.training.backends.megatron import cpu_shim
 
@@ -102,7 +103,6 @@ class MegatronBackend(StepLoop):
         from trainer.training.backends.megatron import model as M
         from rollout.models import resolve_model_path
 
-        train = config.train
         # Layer spec and fused kernels: decided (and sequence_parallel refused without TE)
         # before any process group or model exists.
         self.kernels = M.kernel_plan(device="cpu" if self.cpu else "cuda",
@@ -128,13 +128,13 @@ class MegatronBackend(StepLoop):
         self.use_te = self.kernels.use_te
         self.packed = self.kernels.packed  # THD packing needs TE's attention
 
-        path = resolve_model_path(config.model.path, config.model.cache_dir)
+        path = resolve_model_path(model.path, model.cache_dir)
         self.model_path = path
         self.hf = AutoConfig.from_pretrained(path)
         self.vocab_size = self.hf.vocab_size
         self.padded_vocab = hf_map.padded_vocab_size(
             self.vocab_size, M.vocab_multiple(self.tp_size, self.cpu))
-        self.tconfig = M.transformer_config(self.hf, train, dtype=config.model.dtype, cpu=self.cpu,
+        self.tconfig = M.transformer_config(self.hf, train, dtype=model.dtype, cpu=self.cpu,
                                             fusions=self.kernels.fusions)
         # Exported weights (weight sync, HF export) are in the dtype the model trains in
         # (Float16Module casts the module itself to it; fp32 main params stay internal).
@@ -144,7 +144,7 @@ class MegatronBackend(StepLoop):
         self.pad_token_id = getattr(self.hf, "pad_token_id", None) or 0
 
         self.gpt = self._build(trainable=True)
-        self.ref = self._build(trainable=False) if config.algo.kl_coef > 0 else None
+        self.ref = self._build(trainable=False) if algo.kl_coef > 0 else None
         self._hf_layout = self._export_layout()
 
         from megatron.core.distributed import (
@@ -169,7 +169,7 @@ class MegatronBackend(StepLoop):
             self.tconfig.grad_scale_func = self.optimizer.scale_loss
         self.optimizer_steps = 0
         self.sft_steps = 0
-        self.total_optimizer_steps = total_optimizer_steps(config.rollout, train)
+        self.total_optimizer_steps = total_optimizer_steps
         from trainer.training.backends.megatron.offload import StateOffloader
 
         self.offloader = StateOffloader(self.device, pin=not self.cpu)
@@ -202,7 +202,7 @@ class MegatronBackend(StepLoop):
         mb_ids = mb.input_ids
         if not self.packed:
             b, t = mb_ids.shape
-            if self.config.train.sequence_parallel and t % self.tp_size:
+            if self.train.sequence_parallel and t % self.tp_size:
                 extra = self.tp_size - t % self.tp_size
                 mb_ids = torch.cat([mb_ids, mb_ids.new_full((b, extra), self.pad_token_id)], 1)
                 t += extra
@@ -214,7 +214,7 @@ class MegatronBackend(StepLoop):
 
         lengths = mb.attention_mask.sum(1)
         tokens = mb_ids[mb.attention_mask.bool()]
-        pad_to = self.tp_size * 2 if self.config.train.sequence_parallel else 1
+        pad_to = self.tp_size * 2 if self.train.sequence_parallel else 1
         extra = (-tokens.numel()) % pad_to
         seqlens = lengths.tolist() + ([extra] if extra else [])
         if extra:
@@ -293,7 +293,7 @@ class MegatronBackend(StepLoop):
     def _plan(self, batch: BatchLike, global_batch_size: Optional[int], skip=frozenset()):
         return plan_step(batch, rank=self.dp_rank, world_size=self.dp_size,
                          global_batch_size=global_batch_size,
-                         max_tokens=self.config.train.max_tokens_per_micro_batch, skip=skip)
+                         max_tokens=self.train.max_tokens_per_micro_batch, skip=skip)
 
     def log_probs(self, batch: BatchLike) -> list[torch.Tensor]:
         check_batch(batch)
