@@ -38,7 +38,8 @@ from typing import Any, Callable, Optional
 
 import ray
 
-from rollout.plugins import get_env_class, load_object
+from rollout.filters import FILTERS
+from rollout.plugins import get_env_class, registered_or_dotted
 from rollout.args import RolloutArgs, load_plugin
 from rollout.data import DataSource
 from rollout.ledger import Ledger, key_of
@@ -52,15 +53,6 @@ logger = logging.getLogger(__name__)
 
 Status = Sample.Status
 _NO_ENV = ("", "none", "null")
-
-
-def nonzero_std(args: Any, samples: list[Sample]) -> bool:
-    """DAPO's filter: keep a group only if its rewards differ (else no learning signal)."""
-    rewards = [s.scalar_reward for s in samples]
-    return max(rewards) - min(rewards) > 1e-8
-
-
-FILTERS: dict[str, Callable[[Any, list[Sample]], bool]] = {"nonzero_std": nonzero_std}
 
 
 @dataclass
@@ -207,12 +199,7 @@ class RolloutManagerCore:
     def _load_filter(name: Optional[str]) -> Optional[Callable[[Any, list[Sample]], bool]]:
         if name is None:
             return None
-        if name in FILTERS:
-            return FILTERS[name]
-        if "." not in name and ":" not in name:
-            raise ValueError(f"rollout.dynamic_sampling_filter: unknown filter {name!r}; "
-                             f"built-in: {', '.join(FILTERS)}, or a dotted path")
-        fn = load_object(name, "rollout.dynamic_sampling_filter")
+        fn = registered_or_dotted(name, FILTERS, "rollout.dynamic_sampling_filter", "filter")
         if not callable(fn):
             raise ValueError(f"rollout.dynamic_sampling_filter: {name!r} is not callable")
         return fn

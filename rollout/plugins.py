@@ -4,7 +4,7 @@ registered name (envs.base.register) or dotted path."""
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Mapping
 
 from envs.base import BUILTIN_MODULES, REGISTRY, Environment
 
@@ -30,17 +30,26 @@ def load_object(path: str, what: str = "object") -> Any:
     return obj
 
 
+def registered_or_dotted(name: str, registry: Mapping[str, Any], key: str, what: str,
+                         known: Any = None) -> Any:
+    """``registry[name]``, else the object at the dotted path ``name``. A bare name that is
+    not registered is a ValueError naming ``key``, the ``known`` names (default: the
+    registry's) and the dotted-path alternative."""
+    if name in registry:
+        return registry[name]
+    if "." not in name and ":" not in name:
+        raise ValueError(f"{key}: unknown {what} {name!r}; registered: "
+                         f"{', '.join(sorted(known if known is not None else registry))}, "
+                         "or a dotted path")
+    return load_object(name, key)
+
+
 def get_env_class(name: str) -> type[Environment]:
     """A registered environment name (number_guess, arithmetic) or a dotted class path."""
     if name in BUILTIN_MODULES and name not in REGISTRY:
         importlib.import_module(BUILTIN_MODULES[name])
-    if name in REGISTRY:
-        return REGISTRY[name]
-    if "." not in name and ":" not in name:
-        raise ValueError(f"env.name: unknown environment {name!r}; registered: "
-                         f"{', '.join(sorted(set(REGISTRY) | set(BUILTIN_MODULES)))}, "
-                         "or give a dotted path to an Environment subclass")
-    cls = load_object(name, "env.name")
+    cls = registered_or_dotted(name, REGISTRY, "env.name", "environment",
+                               known=set(REGISTRY) | set(BUILTIN_MODULES))
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"env.name: {name!r} is not an envs.base.Environment subclass")
     return cls

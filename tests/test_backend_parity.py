@@ -49,7 +49,7 @@ def _steps_child(backend: str, out: str) -> None:
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if backend == "megatron":
-        from trainer.training.backends.megatron import MegatronBackend as Backend
+        from trainer.training.backends.megatron.backend import MegatronBackend as Backend
     else:
         from trainer.training.backends.fsdp import FSDPBackend as Backend
     b = Backend()

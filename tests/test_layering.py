@@ -1,9 +1,10 @@
-"""The import graph's layers: config < envs < rollout < trainer < scripts/examples.
+"""The import graph: layers config < envs < rollout < trainer < scripts/examples, no cycle.
 
 Every import statement of every module (function-level ones included) is read with ast;
-a module may import its own layer or a lower one, never a higher one. The config package
-is the bottom: it must also stay free of torch, Ray and transformers, checked by really
-importing it (and composing the default config) in a fresh interpreter."""
+a module may import its own layer or a lower one, never a higher one, and no module
+reaches itself again through imports. The config package is the bottom: it must also stay
+free of torch, Ray and transformers, checked by really importing it (and composing the
+default config) in a fresh interpreter."""
 
 import ast
 import json
@@ -39,6 +40,60 @@ def test_no_upward_import():
                 if LAYERS.get(target, -1) > layer:
                     upward.append(f"{path.relative_to(REPO)}:{line} imports {target}")
     assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports. ``from pkg import name`` depends on the
+    package itself (its __init__ runs and is read) and on ``pkg.name`` when that is a
+    module."""
+    modules = {}
+    for package in LAYERS:
+        for path in (REPO / package).rglob("*.py"):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name):
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(known(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(filter(None, [package.rsplit(".", node.level - 1)[0]
+                                                  if node.level > 1 else package, base]))
+                deps.add(known(base))
+                deps.update(f"{base}.{a.name}" for a in node.names
+                            if f"{base}.{a.name}" in modules)
+        graph[name] = deps - {name, ""}
+    return graph
+
+
+def test_import_graph_has_no_cycle():
+    graph = _module_graph()
+    assert "trainer.training.backends.megatron.backend" in graph  # the walk saw the tree
+    cycles, done = [], set()
+
+    def visit(node, path):
+        if node in path:
+            cycles.append(path[path.index(node):] + [node])
+            return
+        if node in done:
+            return
+        for dep in sorted(graph.get(node, ())):
+            visit(dep, path + [node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
 @pytest.mark.subprocess

@@ -202,7 +202,7 @@ def _offload_child(dtype: str, offload: bool, kl: float, out: str, device: str =
     import torch.distributed as dist
 
     from train_batches import make_batch, make_config
-    from trainer.training.backends.megatron import MegatronBackend
+    from trainer.training.backends.megatron.backend import MegatronBackend
 
     cuda = device == "cuda"
     # One rank: an in-memory store, no port.

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from rollout.agent import toolcalls, xml_toolcalls
+import rollout.agent.toolcalls as toolcalls
+import rollout.agent.xml_toolcalls as xml_toolcalls
 from rollout.agent.toolcalls import Parsed, ToolCall
 
 

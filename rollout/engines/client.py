@@ -19,9 +19,11 @@ and ``flush_cache`` is called once, after the last bucket, retried until the ser
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import time
-from typing import Any, Iterator, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import requests
 
@@ -29,6 +31,27 @@ PINNED_SGLANG_VERSION = "0.5.18"
 SUPPORTED_SGLANG_VERSIONS = ("0.5.18", "0.5.23")
 # Versions whose tensor/distributed weight updates must run inside a session.
 _SESSION_VERSIONS = frozenset({"0.5.23"})
+
+
+T = TypeVar("T")
+
+
+def fan_out(fn: Callable[[Any], T], items: Iterable[Any],
+            pool: Optional[ThreadPoolExecutor] = None) -> list[T]:
+    """``fn(item)`` for every item (e.g. every engine's client) at once, on a thread each
+    (in the calling thread when there is one item), or on ``pool``: the results in item
+    order once every call has returned; if any failed, the first failure in item order is
+    raised after all have finished, so no call is left running."""
+    items = list(items)
+    if len(items) <= 1 and pool is None:
+        return [fn(item) for item in items]
+    if pool is None:
+        with ThreadPoolExecutor(max_workers=len(items)) as own:
+            futures = [own.submit(fn, item) for item in items]
+    else:
+        futures = [pool.submit(fn, item) for item in items]
+        concurrent.futures.wait(futures)
+    return [f.result() for f in futures]
 
 
 class EngineError(RuntimeError):

@@ -12,12 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from rollout.engines.actor import LaunchSpec, bind_host, launch_spec, remote_actor_class
-from rollout.engines.client import EngineClient
+from rollout.engines.client import EngineClient, fan_out
 from rollout.engines.router import Router
 
 log = logging.getLogger("homegym.engines")
@@ -46,12 +45,7 @@ class _FanOut:
     tp_sizes: list[int]
 
     def _all(self, method: str, *args, **kwargs) -> list:
-        clients = list(self.clients)
-        if len(clients) == 1:
-            return [getattr(clients[0], method)(*args, **kwargs)]
-        with ThreadPoolExecutor(max_workers=len(clients)) as pool:
-            futures = [pool.submit(getattr(c, method), *args, **kwargs) for c in clients]
-            return [f.result() for f in futures]
+        return fan_out(lambda c: getattr(c, method)(*args, **kwargs), self.clients)
 
     def targets(self) -> list[EngineTarget]:
         return [EngineTarget(c.name, c.url, c.api_key, tp)

@@ -28,10 +28,11 @@ import inspect
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from envs.base import Environment
-from rollout.plugins import get_env_class, load_object
+from rollout.filters import FILTERS
+from rollout.plugins import get_env_class, load_object, registered_or_dotted
 from config import ConfigError, HomegymConfig
 
 NO_ENV = ("", "none", "null")  # env.name values that mean "no environment" (rollout.manager)
@@ -52,8 +53,13 @@ def _fail(key: str, message: str) -> ConfigError:
     return ConfigError(f"{key}: " + " ".join(message.split()))
 
 
-def _load(path: str, key: str) -> Any:
+def _load(path: str, key: str, registry: Optional[Mapping[str, Any]] = None,
+          what: str = "") -> Any:
+    """The object at dotted ``path`` (or ``registry[path]``: rollout.plugins.
+    registered_or_dotted), a user mistake as a ConfigError."""
     try:
+        if registry is not None:
+            return registered_or_dotted(path, registry, key, what)
         return load_object(path, key)
     except ValueError as err:  # load_object's own message already names key and path
         raise ConfigError(" ".join(str(err).split())) from err
@@ -138,14 +144,9 @@ def check_plugins(config: HomegymConfig, env_cls: Optional[type[Environment]]) -
     name = r.dynamic_sampling_filter
     if name is not None:
         key = "rollout.dynamic_sampling_filter"
-        if "." not in name and ":" not in name:
-            from rollout.manager import FILTERS  # imports ray (not started): only when needed
-
-            if name not in FILTERS:
-                raise _fail(key, f"unknown filter {name!r}; built-in: {', '.join(FILTERS)}, "
-                            "or a dotted path")
+        fn = _load(name, key, FILTERS, "filter")
+        if name in FILTERS:
             return
-        fn = _load(name, key)
         if not callable(fn):
             raise _fail(key, f"{name!r} is not callable")
         if inspect.iscoroutinefunction(fn):

@@ -24,10 +24,9 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
-from rollout.engines.client import EngineError
+from rollout.engines.client import EngineError, fan_out
 from trainer.weight_sync.push import WeightSyncError, check_reported_versions
 
 PREFIX = "homegym-v"
@@ -78,9 +77,7 @@ class AdapterSync:
         self.verify(version, engines)
         self.announce(name)
         # Each engine's answer lists what it holds (a restarted one: only the new adapter).
-        clients = list(engines.clients)
-        with ThreadPoolExecutor(max_workers=max(1, len(clients))) as pool:
-            list(pool.map(self._unload_stale, clients, loaded, [version] * len(clients)))
+        fan_out(lambda pair: self._unload_stale(*pair, version), zip(engines.clients, loaded))
         for entry in os.listdir(self.disk_dir):
             v = _version_of(PREFIX + entry[len("lora-v"):]) if entry.startswith("lora-v") else None
             if v is not None and v < version:
@@ -113,6 +110,4 @@ class AdapterSync:
 
     @staticmethod
     def _each(engines, fn) -> list:
-        clients = list(engines.clients)
-        with ThreadPoolExecutor(max_workers=max(1, len(clients))) as pool:
-            return list(pool.map(fn, clients))
+        return fan_out(fn, engines.clients)

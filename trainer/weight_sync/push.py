@@ -39,7 +39,7 @@ import torch
 
 from rollout.checkpoints import is_hybrid, read_config
 from rollout.engines.actor import SGLANG_CPU_LOADERS
-from rollout.engines.client import EngineError
+from rollout.engines.client import EngineError, fan_out
 from rollout.engines.weights_io import (
     FLATTENED_BUCKET, MultiprocessingSerializer, SharedStaging, serialize_for_sglang)
 from rollout.models import resolve_model_path
@@ -303,8 +303,7 @@ class _Sender:
     def _each(self, fn) -> list:
         """``fn(engine, client)`` on every served engine concurrently; re-raises the first
         failure."""
-        futures = [self._pool.submit(fn, e, self.clients[e]) for e in self.engines]
-        return [f.result() for f in futures]
+        return fan_out(lambda e: fn(e, self.clients[e]), self.engines, self._pool)
 
     def send(self, bucket, version: Optional[int]) -> None:
         raise NotImplementedError

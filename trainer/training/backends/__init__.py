@@ -11,7 +11,7 @@ from config import Backend, choices
 
 BACKENDS: dict[Backend, str] = {
     "fsdp": "trainer.training.backends.fsdp:FSDPBackend",
-    "megatron": "trainer.training.backends.megatron:MegatronBackend",
+    "megatron": "trainer.training.backends.megatron.backend:MegatronBackend",
 }
 assert tuple(BACKENDS) == choices(Backend)
 

@@ -14,13 +14,37 @@ micro-batches), ``trainer.training.algo.objective`` (the loss of a micro-batch),
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Callable, Iterable, Iterator, Protocol, runtime_checkable
 
 import torch
 
 from trainer.training.backends.batching import BatchLike
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def bucketed(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+             nbytes: Callable[[torch.Tensor], int] = _nbytes) -> Iterator[NamedTensors]:
+    """``(name, tensor)`` pairs in consecutive buckets of at most ``bucket_bytes`` (by
+    ``nbytes``; a larger tensor is a bucket of its own). Lazy: a bucket is yielded as soon
+    as the next tensor would overflow it, so a caller streams one bucket at a time."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0 (got {bucket_bytes})")
+    bucket: NamedTensors = []
+    size = 0
+    for name, tensor in items:
+        n = nbytes(tensor)
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += n
+    if bucket:
+        yield bucket
 
 
 @runtime_checkable

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from transformers import DynamicCache
 
 from trainer.training.algo.losses import entropy_from_logits, token_log_probs
-from trainer.training.backends.base import NamedTensors
+from trainer.training.backends.base import NamedTensors, bucketed
 from trainer.training.backends.batching import (
     BatchLike, MicroBatch, build_micro_batch, build_shared_prefix_micro_batch, check_batch,
     plan_step)
@@ -271,15 +271,8 @@ class FSDPBackend(StepLoop):
         if getattr(self, "_host_gather", None) is None:
             self._host_gather = HostGather(self.rank, self.world_size)
         host = self._host_gather
-        plan: list[NamedTensors] = [[]]
-        size = 0
-        for name, value in self._state_items():
-            nbytes = value.numel() * (dtype or value.dtype).itemsize
-            if plan[-1] and size + nbytes > bucket_bytes:
-                plan.append([])
-                size = 0
-            plan[-1].append((name, value))
-            size += nbytes
+        plan = list(bucketed(self._state_items(), bucket_bytes,
+                             nbytes=lambda v: v.numel() * (dtype or v.dtype).itemsize))
         for key, named in enumerate(plan):
             if (named and host.can_gather([v for _, v in named])
                     and len({dtype or v.dtype for _, v in named}) == 1):
@@ -296,8 +289,6 @@ class FSDPBackend(StepLoop):
 
         Collective: every rank must drain the iterator.
         """
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be > 0 (got {bucket_bytes})")
         if self.lora is not None:
             from trainer.training.backends.lora import merged_tensors
 
@@ -310,17 +301,7 @@ class FSDPBackend(StepLoop):
             return
         else:
             items = self._full_state(device, dtype=dtype)
-        bucket: NamedTensors = []
-        size = 0
-        for name, full in items:
-            nbytes = full.numel() * full.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, full))
-            size += nbytes
-        if bucket:
-            yield bucket
+        yield from bucketed(items, bucket_bytes)
 
     def adapter_tensors(self, device: str = "cpu") -> NamedTensors:
         """A LoRA policy's adapter matrices, gathered, under peft's saved names (collective)."""

@@ -9,9 +9,6 @@
 - ``cpu_shim``: the torch.cuda patches that let megatron-core run on CPU (tests/debugging
   only; applied by the backend when no CUDA device is present).
 
-Importing this package does not import megatron-core (it is an optional dependency).
+Importing this package imports none of them (megatron-core is an optional dependency, and
+the modules import each other, never this package's namespace).
 """
-
-from trainer.training.backends.megatron.backend import MegatronBackend
-
-__all__ = ["MegatronBackend"]

@@ -37,7 +37,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from trainer.training.backends.base import NamedTensors
+from trainer.training.backends.base import NamedTensors, bucketed
 from trainer.training.backends.batching import (
     BatchLike, MicroBatch, build_micro_batch, check_batch, plan_step)
 from trainer.training.backends.megatron import hf_map
@@ -380,10 +380,12 @@ class MegatronBackend(StepLoop):
         Works while offloaded (reads the host copies). ``dtype`` is not used: the tensors
         already travel in the training dtype, and the sender casts. Collective: every
         rank must drain the iterator."""
+        yield from bucketed(self._hf_tensors(device), bucket_bytes)
+
+    def _hf_tensors(self, device: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every full HF-named tensor in export order, on ``device`` (collective)."""
         from trainer.training.backends.megatron import model as M
 
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be > 0 (got {bucket_bytes})")
         params = dict(self.gpt.named_parameters())
         offset = M.layer_offset(self.gpt)
         local = {hf_map.global_name(n, offset): p for n, p in params.items()}
@@ -392,8 +394,6 @@ class MegatronBackend(StepLoop):
         tp_device = collective_device(self.ps.get_tensor_model_parallel_group())
         # PP stages send their tensors as pickled CPU tensors (broadcast_object_list).
         stage_device = "cpu" if self.pp_size > 1 else device
-        bucket: NamedTensors = []
-        size = 0
         for stage, name in self._hf_layout:
             if stage == self.pp_rank:
                 # Offloaded (weights are pushed to colocated engines after `offload`): the
@@ -412,15 +412,7 @@ class MegatronBackend(StepLoop):
                 dist.broadcast_object_list(obj, src=dist.get_global_rank(pp_group, stage),
                                            group=pp_group)
                 pairs = [(n, t.to(device)) for n, t in obj[0]]
-            for hf_name, tensor in pairs:
-                nbytes = tensor.numel() * tensor.element_size()
-                if bucket and size + nbytes > bucket_bytes:
-                    yield bucket
-                    bucket, size = [], 0
-                bucket.append((hf_name, tensor))
-                size += nbytes
-        if bucket:
-            yield bucket
+            yield from pairs
 
     # ----------------------------------------------------------------- checkpoints
     def _optimizers(self) -> list:
