@@ -11,12 +11,13 @@ from config.schema import (
     AdvantageEstimator, AgentConfig, AlgoConfig, Backend, ClusterConfig, ConfigError,
     DataConfig, EnvConfig, EvalConfig, HomegymConfig, KLType, LoggingConfig, LoraConfig,
     LossAgg, ModelConfig, PolicyLoss, RolloutConfig, RolloutCorrection, TrainConfig,
-    WarmupConfig, build_config, choices, register_schema, to_dict)
+    WarmupConfig, build_config, choices, deprecated, register_schema, to_dict)
 
 __all__ = [
     "AdvantageEstimator", "AgentConfig", "AlgoConfig", "Backend", "CONF_DIR", "ClusterConfig",
     "ConfigError", "DataConfig", "EnvConfig", "EvalConfig", "HomegymConfig", "KLType",
     "LoggingConfig", "LoraConfig", "LossAgg", "ModelConfig", "PolicyLoss", "RolloutConfig",
-    "RolloutCorrection", "TrainConfig", "WarmupConfig", "build_config", "choices", "compose_config",
+    "RolloutCorrection", "TrainConfig", "WarmupConfig", "build_config", "choices",
+    "compose_config", "deprecated",
     "register_schema", "set_dotted", "split_args", "to_dict",
 ]

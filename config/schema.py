@@ -75,6 +75,16 @@ def _one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
     _check(value in choices, key, f"must be one of {', '.join(choices)} (got {value!r})")
 
 
+_WARNED: set[str] = set()
+
+
+def deprecated(old: str, new: str) -> None:
+    """Warn once per process that ``old`` (a config key or API name) is now ``new``."""
+    if old not in _WARNED:
+        _WARNED.add(old)
+        warnings.warn(f"{old} is deprecated: use {new}", FutureWarning, stacklevel=3)
+
+
 @dataclass
 class ModelConfig:
     # A local HF checkpoint directory, or a built-in offline model: "tiny-qwen3" (made on
@@ -378,7 +388,9 @@ class TrainConfig:
     lr: float = 1e-6
     min_lr: float = 0.0
     lr_schedule: str = "constant"  # constant | cosine | linear
-    warmup_steps: int = 0
+    # Optimizer steps of linear LR warm-up (not the SFT `warmup:` stage).
+    lr_warmup_steps: int = 0
+    warmup_steps: Optional[int] = None  # deprecated name of lr_warmup_steps
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
@@ -438,7 +450,12 @@ class TrainConfig:
         if self.global_batch_size is not None:
             _check(self.global_batch_size >= 1, "train.global_batch_size", "must be >= 1")
         _check(self.lr >= 0, "train.lr", "must be >= 0")
-        _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        if self.warmup_steps is not None:
+            deprecated("train.warmup_steps", "train.lr_warmup_steps")
+            _check(self.lr_warmup_steps in (0, self.warmup_steps), "train.warmup_steps",
+                   "is the old name of train.lr_warmup_steps: set only train.lr_warmup_steps")
+            self.lr_warmup_steps, self.warmup_steps = self.warmup_steps, None
+        _check(self.lr_warmup_steps >= 0, "train.lr_warmup_steps", "must be >= 0")
         _check(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
         if self.hang_timeout_s is not None:
             _check(self.hang_timeout_s > 0, "train.hang_timeout_s", "must be > 0 (or null)")

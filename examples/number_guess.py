@@ -30,7 +30,7 @@ from trainer.api import (
     Endpoint,
     NumberGuessCPURecipe,
     TinyQwen3,
-    TrainConfig,
+    TrainJob,
 )
 from examples.number_guess_seed import (
     _MAX_TURNS,
@@ -239,7 +239,7 @@ def main(argv: list[str]) -> dict:
     print(f"Base mean turns:  {base_summary['mean_turns']:.2f}")
 
     # Train with the multi-turn environment and our reward function
-    config = TrainConfig(
+    config = TrainJob(
         model=model,
         dataset=train_dataset,
         recipe=NumberGuessCPURecipe(

@@ -1,4 +1,4 @@
-"""The Python API (trainer/api.py): recipe -> Hydra config mapping, shipping user functions
+"""The Python API (trainer/api/): recipe -> Hydra config mapping, shipping user functions
 to Ray workers, datasets, and (slow tier) the seed tutorial example end to end."""
 
 import json
@@ -11,13 +11,13 @@ import torch
 from conftest import REPO, clean_env, read_jsonl, run_group
 from trainer import api
 from trainer.api import (DatasetConfig, NumberGuessCPURecipe, Qwen3_4B, Qwen3_4B_Recipe,
-                         TinyQwen3, TrainConfig)
+                         TinyQwen3, TrainJob)
 from config import ConfigError
 
 
 
 def test_cpu_recipe_fields_map_onto_the_hydra_config():
-    cfg = TrainConfig(model=TinyQwen3(), recipe=NumberGuessCPURecipe(
+    cfg = TrainJob(model=TinyQwen3(), recipe=NumberGuessCPURecipe(
         num_rollout=3, rollout_batch_size=2, n_samples_per_prompt=4, rollout_max_response_len=16,
         rollout_temperature=0.7, global_batch_size=4, save_interval=3, eval_interval=None,
         extra_config={"max_turns": 5, "log_multi_turn": True},
@@ -49,11 +49,11 @@ def cli_config(monkeypatch, *overrides):
 
 
 def test_gpu_recipe_matches_the_cli_composition(monkeypatch):
-    via_api = TrainConfig(model=Qwen3_4B("/models/q4b"), recipe=Qwen3_4B_Recipe()).build()
+    via_api = TrainJob(model=Qwen3_4B("/models/q4b"), recipe=Qwen3_4B_Recipe()).build()
     via_cli = cli_config(monkeypatch, "+recipe=qwen_4b", "model.path=/models/q4b")
     assert via_api == via_cli  # one code path: same Hydra composition, same object
 
-    cfg = TrainConfig(model=Qwen3_4B("/models/q4b"), recipe=Qwen3_4B_Recipe(
+    cfg = TrainJob(model=Qwen3_4B("/models/q4b"), recipe=Qwen3_4B_Recipe(
         gpu_type="H100", colocate=False, actor_num_gpus_per_node=4, rollout_num_gpus=4,
         rollout_num_gpus_per_engine=1, tensor_model_parallel_size=2, sequence_parallel=True,
         custom_generate_function="examples.number_guess_seed.number_guess_generate")).build()
@@ -66,13 +66,13 @@ def test_gpu_recipe_matches_the_cli_composition(monkeypatch):
 
 def test_config_mistakes_name_the_key():
     with pytest.raises(ConfigError, match="n_samples_per_prompt"):
-        TrainConfig(recipe=NumberGuessCPURecipe(n_samples_per_prompt=0)).build()
+        TrainJob(recipe=NumberGuessCPURecipe(n_samples_per_prompt=0)).build()
     with pytest.raises(ConfigError, match="bogus"):
-        TrainConfig(recipe=NumberGuessCPURecipe(overrides=["rollout.bogus=1"])).build()
+        TrainJob(recipe=NumberGuessCPURecipe(overrides=["rollout.bogus=1"])).build()
     with pytest.raises(ConfigError, match="apply_chat_template_kwargs"):
-        TrainConfig(recipe=NumberGuessCPURecipe(apply_chat_template_kwargs="{not json")).build()
+        TrainJob(recipe=NumberGuessCPURecipe(apply_chat_template_kwargs="{not json")).build()
     with pytest.raises(ConfigError, match="gpu_type"):
-        TrainConfig(recipe=NumberGuessCPURecipe(gpu_type="H100")).build()
+        TrainJob(recipe=NumberGuessCPURecipe(gpu_type="H100")).build()
 
 
 def test_image_overlay_maps_to_runtime_env_pip_or_is_rejected():
@@ -87,7 +87,7 @@ def test_image_overlay_maps_to_runtime_env_pip_or_is_rejected():
 def test_recipe_pip_is_refused_once_ray_runs(ray_local, tmp_path):
     """Ray's runtime_env is fixed at ray.init: launch() with Recipe(pip=...) in a process
     whose Ray is already up says so instead of training without the packages."""
-    run = TrainConfig(recipe=NumberGuessCPURecipe(pip=["regex"]), output_dir=str(tmp_path))
+    run = TrainJob(recipe=NumberGuessCPURecipe(pip=["regex"]), output_dir=str(tmp_path))
     with pytest.raises(ConfigError, match=r"recipe.pip=\['regex'\]: Ray is already initialized"):
         run.launch()
 
@@ -144,7 +144,7 @@ def test_dataset_config_prepares_files(tmp_path):
 
 @pytest.mark.slow
 def test_seed_example_runs_end_to_end(tmp_path):
-    """examples/number_guess.py --quick: base eval through an endpoint, TrainConfig.launch()
+    """examples/number_guess.py --quick: base eval through an endpoint, TrainJob.launch()
     (warm-up + 2 RL steps, the script's own reward function shipped from __main__), trained
     eval through an endpoint, table."""
     proc = run_group(
@@ -184,3 +184,18 @@ def test_seed_example_runs_end_to_end(tmp_path):
     table = (run_dir / "example_eval_table.md").read_text()
     for name in ("base", "trained"):
         assert f"| {name} | {summary[name]['success_rate']:.1%} | {summary[name]['mean_reward']:+.3f} |" in table
+
+
+def test_the_seed_name_train_config_still_builds_and_warns_once(monkeypatch):
+    import warnings
+
+    from config import schema
+
+    monkeypatch.setattr(schema, "_WARNED", set())
+    with pytest.warns(FutureWarning, match="trainer.api.TrainConfig is deprecated: use "
+                                           "trainer.api.TrainJob"):
+        seed = api.TrainConfig(recipe=NumberGuessCPURecipe(num_rollout=2)).build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        api.TrainConfig(recipe=NumberGuessCPURecipe(num_rollout=2))
+    assert seed == TrainJob(recipe=NumberGuessCPURecipe(num_rollout=2)).build()

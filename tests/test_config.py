@@ -159,3 +159,21 @@ def test_weight_sync_auto_is_resolved_once_and_the_key_kept():
     moved = dataclasses.replace(colocated, cluster=apart.cluster)
     assert moved.derived.weight_sync == "distributed" and colocated.derived.weight_sync == "tensor"
     assert "derived" not in to_dict(colocated)
+
+
+def test_deprecated_key_warns_once_naming_the_new_key(monkeypatch):
+    import warnings
+
+    from config import schema
+
+    monkeypatch.setattr(schema, "_WARNED", set())
+    with pytest.warns(FutureWarning, match=r"train.warmup_steps is deprecated: use "
+                                           r"train.lr_warmup_steps"):
+        old = compose_config("train.warmup_steps=3")
+    assert (old.train.lr_warmup_steps, old.train.warmup_steps) == (3, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second use is silent
+        assert compose_config("train.warmup_steps=4").train.lr_warmup_steps == 4
+    assert compose_config("train.lr_warmup_steps=3") == old
+    with pytest.raises(ConfigError, match="train.warmup_steps: is the old name"):
+        compose_config("train.warmup_steps=3", "train.lr_warmup_steps=5")

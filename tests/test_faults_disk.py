@@ -28,7 +28,7 @@ def _save(mgr, step, payload=None, fail=None):
         if fail is not None:
             raise fail
     return mgr.save(step, save_train=save_train, export_hf=None,
-                    rollout_state={"pos": step}, meta={"policy_version": step})
+                    rollout_state={"pos": step}, meta={"weight_version": step})
 
 
 def test_preflight_rejects_a_path_that_cannot_be_a_directory(tmp_path):

@@ -184,14 +184,14 @@ def test_the_default_config_passes_the_checks():
 
 API_CHECK = r"""
 import sys, ray
-from trainer.api import NumberGuessCPURecipe, TrainConfig
+from trainer.api import NumberGuessCPURecipe, TrainJob
 from config import ConfigError
 
 def my_reward(args, sample):  # defined in __main__, so shipped by value; not async
     return 1.0
 
 try:
-    TrainConfig(recipe=NumberGuessCPURecipe(custom_rm_function=my_reward),
+    TrainJob(recipe=NumberGuessCPURecipe(custom_rm_function=my_reward),
                 output_dir=sys.argv[1]).launch()
 except ConfigError as err:
     print("ConfigError:", err)
@@ -201,7 +201,7 @@ print("ray initialized:", ray.is_initialized())
 
 @pytest.mark.subprocess
 def test_the_python_api_checks_before_ray_starts(tmp_path):
-    """TrainConfig.launch() runs the same checks before it connects to Ray, on functions
+    """TrainJob.launch() runs the same checks before it connects to Ray, on functions
     it would ship by value too (in a fresh process: this one may hold the suite's Ray)."""
     proc = subprocess.run([sys.executable, "-c", API_CHECK, str(tmp_path)], cwd=REPO,
                           env=clean_env(), capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""EngineActor: one Ray actor that owns and supervises one inference server process.
+"""EngineServer: one Ray actor that owns and supervises one inference server process.
 
 The hf (homegym's CPU server) and sglang (the real SGLang server, on GPU or CPU) engines
 differ only in the command that starts the server; supervision (start, readiness polling,

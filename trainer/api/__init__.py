@@ -1,16 +1,16 @@
 """The Python API: the seed notebook's objects, on your own Ray cluster.
 
     from trainer.api import (DatasetConfig, Endpoint, TinyQwen3, NumberGuessCPURecipe,
-                             TrainConfig)
+                             TrainJob)
 
-    run = TrainConfig(model=TinyQwen3(), dataset=MyDataset(),
+    run = TrainJob(model=TinyQwen3(), dataset=MyDataset(),
                       recipe=NumberGuessCPURecipe(num_rollout=20)).launch()
     result = run.result()                      # blocks; a trainer.driver.loop.RunResult
     ckpt = result.checkpoints()[-1]            # checkpoints/step_NNNNNN (hf/ inside)
     with Endpoint.launch(TinyQwen3(), ckpt) as ep:
         ep.chat([{"role": "user", "content": "hi"}])
 
-One code path with the CLI: ``TrainConfig`` turns model + recipe + dataset into Hydra
+One code path with the CLI: ``TrainJob`` turns model + recipe + dataset into Hydra
 overrides, composes ``conf/`` with ``hydra.compose`` exactly as ``python -m trainer.main``
 does, builds the typed ``HomegymConfig`` with ``build_config`` and calls
 ``trainer.driver.loop.train``. ``launch()`` runs that in a background thread of this process on the
@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 from omegaconf import OmegaConf
 
 from trainer.api.background import Run
-from config import HomegymConfig, compose_config, set_dotted
+from config import HomegymConfig, compose_config, deprecated, set_dotted
 from trainer.api.dataset import DatasetConfig
 from trainer.serving.endpoint import Endpoint
 from trainer.api.model_catalog import Model, Qwen3_0_6B, Qwen3_4B, Qwen3_8B, SmolLM2_135M, TinyQwen3
@@ -46,13 +46,13 @@ from trainer.api.shipping import ship_function, ship_locally, ship_or_describe
 __all__ = [
     "DatasetConfig", "Model", "TinyQwen3", "SmolLM2_135M", "Qwen3_0_6B", "Qwen3_4B", "Qwen3_8B",
     "Recipe", "NumberGuessCPURecipe", "Qwen3_0_6B_Recipe", "Qwen3_4B_Recipe", "Qwen3_8B_Recipe",
-    "TrainConfig", "Run", "Endpoint", "compose_config", "ship_function",
+    "TrainJob", "TrainConfig", "Run", "Endpoint", "compose_config", "ship_function",
 ]
 
 
 @dataclass
-class TrainConfig:
-    """``TrainConfig(model, dataset, recipe).launch()``: the seed's entry point."""
+class TrainJob:
+    """``TrainJob(model, dataset, recipe).launch()``: the seed's entry point."""
 
     model: Optional[Model] = None
     dataset: Optional[DatasetConfig] = None  # None: rows from the environment
@@ -102,3 +102,12 @@ class TrainConfig:
         preflight(final(ship_locally))  # the CLI's start-up checks, before Ray starts
         connect_ray(composed, pip=self.recipe.pip_packages())
         return Run(final(ship_function)).start()
+
+
+@dataclass
+class TrainConfig(TrainJob):
+    """The seed notebook's name of ``TrainJob`` (deprecated: ``TrainConfig`` is also the
+    ``train:`` config section's class, config.TrainConfig)."""
+
+    def __post_init__(self) -> None:
+        deprecated("trainer.api.TrainConfig", "trainer.api.TrainJob")

@@ -50,7 +50,7 @@ def ship_function(fn: Union[str, Callable, None], key: str) -> Optional[str]:
     if not ray.is_initialized():
         raise RuntimeError(f"{key}: {getattr(fn, '__qualname__', fn)!r} is not importable by Ray "
                            "workers, so it is shipped by value, which needs a running Ray "
-                           "cluster (TrainConfig.launch() connects first)")
+                           "cluster (TrainJob.launch() connects first)")
     blob = cloudpickle.dumps(fn)
     digest = hashlib.sha256(blob).hexdigest()[:20]
     name = "".join(c if c.isalnum() else "_" for c in getattr(fn, "__name__", "fn")).strip("_")

@@ -90,7 +90,7 @@ class Driver:
         self._prefetched: list[tuple[int, Any]] = []  # whole batches from a checkpoint
         self.logger: MetricsLogger | None = None
         self.evals: dict[str, dict[str, float]] = {}
-        self.policy_version: int | None = None  # the version the engines hold
+        self.weight_version: int | None = None  # the version the engines hold
         self.mismatch_watch = MismatchWatch(config.algo)
 
     # ------------------------------------------------------------------ the run
@@ -232,12 +232,12 @@ class Driver:
 
     def push_weights(self, version: int) -> dict[str, float]:
         metrics = self.rt.weights.push(version)
-        self.policy_version = version
+        self.weight_version = version
         return metrics
 
     def recover_engines(self, metrics: dict[str, float]) -> None:
         """Restart dead engines on the current policy; counts into ``metrics``."""
-        out = self.rt.recover_engines(self.policy_version)
+        out = self.rt.recover_engines(self.weight_version)
         metrics["rollout/engine_restarts"] = out["rollout/engine_restarts"]
         metrics["rollout/engines_restarted_now"] = (
             metrics.get("rollout/engines_restarted_now", 0.0) + out["rollout/engines_restarted_now"])
@@ -261,7 +261,7 @@ class Driver:
         return phase() or {}
 
     def train(self, step: int, batch: BatchRef) -> dict[str, float]:
-        metrics = staleness_metrics(batch.weight_versions, self.policy_version or 0)
+        metrics = staleness_metrics(batch.weight_versions, self.weight_version or 0)
         with timed(metrics, "perf/train_time"):
             # The ref itself, as a top-level argument: each rank resolves it.
             metrics.update(self.rt.train_group.train_step(batch.ref))
@@ -357,7 +357,7 @@ class Driver:
         path = self.ckpt.save(
             step, save_train=lambda d: rt.train_group.save(str(d)),
             export_hf=lambda d: rt.train_group.export_hf(d, model_dir, self.rt.weights.bucket_bytes),
-            rollout_state=state, meta={"policy_version": step, "evals": self.evals})
+            rollout_state=state, meta={"weight_version": step, "evals": self.evals})
         print(f"checkpoint: {path}", flush=True)
         return path
 

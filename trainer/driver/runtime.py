@@ -158,18 +158,18 @@ class Runtime:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def recover_engines(self, policy_version: Optional[int]) -> dict[str, float]:
+    def recover_engines(self, weight_version: Optional[int]) -> dict[str, float]:
         """Restart engines that died (server or actor), re-register them with the router
         and load the policy the others serve; returns ``rollout/engine_restarts`` (run
         total) and ``rollout/engines_restarted_now``.
 
-        ``policy_version``: the version of the last weight push (None before the first:
+        ``weight_version``: the version of the last weight push (None before the first:
         a restarted engine then already serves the base model it loads at start-up).
         Call between rollouts -- the driver does so before each rollout and right after
         it, before any call that needs every engine (release_memory, weight push)."""
         def push(view) -> None:
-            if policy_version is not None:
-                self.weights.push(policy_version, engines=view)
+            if weight_version is not None:
+                self.weights.push(weight_version, engines=view)
 
         return self.engines.recover(push_weights=push)
 

@@ -242,7 +242,7 @@ class StepLoop:
         for step_range, step_mbs in zip(ranges, mbs):
             norms = step_norms(batch, step_range, skip)
             lr = lr_at(self.optimizer_steps, lr=train.lr, min_lr=train.min_lr,
-                       schedule=train.lr_schedule, warmup_steps=train.warmup_steps,
+                       schedule=train.lr_schedule, warmup_steps=train.lr_warmup_steps,
                        total_steps=self.total_optimizer_steps)
             self._set_lr(lr)
 
