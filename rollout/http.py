@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from rollout.engines.client import EngineError, backoff_delays, may_retry
+from rollout.engines.client import EngineError, Retry
 
 _SESSIONS: dict[int, aiohttp.ClientSession] = {}
 # Names for base URLs in error messages (the manager names its router); others read host:port.
@@ -92,9 +92,9 @@ async def post(url: str, payload: Optional[dict] = None, *, max_retries: int = 8
         payload = {**payload, "lora_path": LORA_ADAPTER[0]}
     session = get_session()
     name, route = _where(url)
-    delays = backoff_delays(max_retries, first_s=0.05, cap_s=2.0)
-    for attempt in range(max_retries + 1):
-        tries = f" after {attempt + 1} attempts" if attempt else ""
+    retry = Retry(max_retries, first_s=0.05, cap_s=2.0)
+    while True:
+        tries = f" after {retry.attempts} attempts" if retry.retries else ""
         try:
             async with session.request(method, url, json=payload) as resp:
                 if resp.status < 400:
@@ -111,7 +111,8 @@ async def post(url: str, payload: Optional[dict] = None, *, max_retries: int = 8
                     except ValueError:
                         return body
                 body = await resp.text()
-                if attempt == max_retries or not may_retry(method, route, resp.status):
+                delay = retry.next_delay(method, route, resp.status)
+                if delay is None:
                     raise EngineError(f"{method} {url} -> HTTP {resp.status}{tries}: "
                                       f"{body[:500]}", status=resp.status, engine=name,
                                       route=route)
@@ -121,12 +122,12 @@ async def post(url: str, payload: Optional[dict] = None, *, max_retries: int = 8
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
                 asyncio.TimeoutError) as e:
             connected = not isinstance(e, aiohttp.ClientConnectorError)
-            if attempt == max_retries or not may_retry(method, route, None, connected=connected):
+            delay = retry.next_delay(method, route, None, connected=connected)
+            if delay is None:
                 raise EngineError(f"{method} {url}: unreachable{tries}: {e!r}",
                                   engine=name, route=route) from e
         RETRIES["requests"] += 1
-        await asyncio.sleep(delays[attempt])
-    raise AssertionError("unreachable")
+        await asyncio.sleep(delay)
 
 
 

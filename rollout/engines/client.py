@@ -106,6 +106,28 @@ def backoff_delays(max_retries: int, *, first_s: float, cap_s: float) -> list[fl
     return delays
 
 
+class Retry:
+    """The attempts of one request, for both HTTP clients (EngineClient.call, rollout.http.
+    post): after a failure, ``next_delay`` is the seconds to wait before sending it again,
+    or None when it must not be repeated (``may_retry``) or the retries are spent."""
+
+    def __init__(self, max_retries: int, *, first_s: float, cap_s: float) -> None:
+        self.delays = backoff_delays(max_retries, first_s=first_s, cap_s=cap_s)
+        self.retries = 0  # made so far
+
+    def next_delay(self, method: str, route: str, status: Optional[int], *,
+                   connected: bool = True) -> Optional[float]:
+        if self.retries == len(self.delays) or not may_retry(method, route, status,
+                                                             connected=connected):
+            return None
+        self.retries += 1
+        return self.delays[self.retries - 1]
+
+    @property
+    def attempts(self) -> int:
+        return self.retries + 1
+
+
 def check_version(version: str, *, engine: str = "engine") -> str:
     if version not in SUPPORTED_SGLANG_VERSIONS:
         raise UnsupportedEngineVersion(
@@ -149,8 +171,8 @@ class EngineClient:
              timeout_s: Optional[float] = None) -> Any:
         """One admin request; retried with backoff where ``may_retry`` allows, else (or
         once the retries are spent) an EngineError naming this engine and the route."""
-        delays = backoff_delays(self.max_retries, first_s=0.1, cap_s=1.0)
-        for attempt in range(self.max_retries + 1):
+        retry = Retry(self.max_retries, first_s=0.1, cap_s=1.0)
+        while True:
             try:
                 r = self.session.request(method, self.url + route, json=payload,
                                          headers=self.headers, timeout=timeout_s or self.timeout_s)
@@ -158,11 +180,11 @@ class EngineClient:
                 connected = not isinstance(err, requests.exceptions.ConnectTimeout) and not (
                     isinstance(err, requests.ConnectionError)
                     and "Connection refused" in str(err))
-                if attempt < self.max_retries and may_retry(method, route, None,
-                                                            connected=connected):
-                    time.sleep(delays[attempt])
+                delay = retry.next_delay(method, route, None, connected=connected)
+                if delay is not None:
+                    time.sleep(delay)
                     continue
-                tries = f" after {attempt + 1} attempts" if attempt else ""
+                tries = f" after {retry.attempts} attempts" if retry.retries else ""
                 raise EngineError(f"unreachable at {self.url}{tries}: {err}", engine=self.name,
                                   route=route) from err
             try:
@@ -172,13 +194,13 @@ class EngineClient:
             failed = isinstance(data, dict) and data.get("success") is False
             if r.status_code < 300 and not failed:
                 return data
-            if attempt < self.max_retries and may_retry(method, route, r.status_code):
-                time.sleep(delays[attempt])
+            delay = retry.next_delay(method, route, r.status_code)
+            if delay is not None:
+                time.sleep(delay)
                 continue
-            tries = f" (after {attempt + 1} attempts)" if attempt else ""
+            tries = f" (after {retry.attempts} attempts)" if retry.retries else ""
             raise EngineError(f"HTTP {r.status_code}{tries}: {_message(data)}",
                               status=r.status_code, engine=self.name, route=route)
-        raise AssertionError("unreachable")
 
     # ---- version ----
     def server_info(self) -> dict:
