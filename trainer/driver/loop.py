@@ -1,4 +1,5 @@
-"""The driver: warm-up, evaluation and the RL loop.
+"""The driver: the RL loop (warm-up: trainer/driver/warmup.py; evaluations:
+trainer/driver/evaluation.py).
 
 Colocated (engines and training ranks share devices and take turns), per step:
 
@@ -19,9 +20,9 @@ the base-vs-trained evaluation table and curves.png (trainer/driver/report.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -33,13 +34,15 @@ from omegaconf import OmegaConf
 from trainer.driver.checkpoint import CheckpointManager, preflight_output_dir
 from config import HomegymConfig, to_dict
 from trainer.driver.memory_plan import check_memory
+from trainer.driver.evaluation import print_line, run_evaluation, write_eval_table, write_rows
 from trainer.driver.metrics import MetricsLogger, redact, timed, write_json
 from trainer.driver.mismatch_watch import MismatchWatch, staleness_metrics
 from trainer.driver.pipeline import RolloutPipeline
 from rollout.batch_ref import BatchRef
 from rollout.models import resolve_model_path
-from trainer.driver.report import EVAL_COLUMNS, format_eval_table, terminal_eval_table, write_curves
+from trainer.driver.report import write_curves
 from trainer.driver.runtime import Runtime
+from trainer.driver.warmup import warm_up
 from trainer.driver.watchdog import HangError, Watchdog
 
 log = logging.getLogger("homegym")
@@ -95,61 +98,90 @@ class Driver:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> RunResult:
+        """Resume, or start from the base policy (warmed up when warmup.steps > 0); then
+        each step generates, trains and pushes the new weights, with checkpoints and
+        evaluations on schedule; finally save and evaluate the trained policy."""
         cfg = self.config
         start_step = self.resume()
         self.logger = MetricsLogger(cfg, self.run_dir, total_steps=cfg.train.num_steps)
         self.rt.defer_stop = cfg.train.save_on_interrupt
         metrics: dict[str, float] = {}
-        watchdog = None
         try:
             if start_step == 0:
-                if cfg.warmup.steps > 0:
-                    if cfg.eval.before_and_after:
-                        self.evaluate("initial", step=0)
-                    self.warmup()
-                else:
-                    self.push_weights(0)  # engines report numbered policy versions
-                if cfg.eval.before_and_after:
-                    self.evaluate("base", step=0)
+                self.start_policy()
             steps = self.colocated_steps if cfg.cluster.colocate else self.async_steps
-            watchdog = Watchdog(cfg.train.hang_timeout_s, self.run_dir)
-            for step, metrics in steps(start_step):
-                watchdog.kick(f"step {step}")
-                self.logger.log(step, metrics)
-                self.mismatch_watch.check(step, metrics)
-                saved = bool(cfg.train.save_interval and step % cfg.train.save_interval == 0)
-                if saved:
-                    self.save(step)
-                if cfg.eval.interval and step % cfg.eval.interval == 0:
-                    self.evaluate(f"step_{step}", step=step)
-                if self.rt.stop_requested:  # Ctrl-C / SIGTERM: keep this step, then stop
-                    if not saved:
-                        self.save(step)
-                    self.write_ledger()
-                    print(f"stopped after step {step}; resume with "
-                          f"logging.run_name={self.run_dir.name}", flush=True)
-                    return RunResult(run_dir=self.run_dir, steps=step, evals=self.evals,
-                                     final_metrics=metrics)
-            last = cfg.train.num_steps
-            if start_step < last and not (cfg.train.save_interval
-                                          and last % cfg.train.save_interval == 0):
-                self.save(last)
-            self.write_ledger()
-            if cfg.eval.before_and_after:
-                self.evaluate("trained", step=last)
-            if self.evals:
-                self.write_eval_table()
-        except Exception as err:
-            if watchdog is not None and watchdog.message:  # it ended the stuck call
-                raise HangError(watchdog.message) from err
-            raise
+            with self.watched() as watchdog:
+                for step, metrics in steps(start_step):
+                    watchdog.kick(f"step {step}")
+                    self.logger.log(step, metrics)
+                    self.mismatch_watch.check(step, metrics)
+                    saved = self.save_if_due(step)
+                    if cfg.eval.interval and step % cfg.eval.interval == 0:
+                        self.evaluate(f"step_{step}", step=step)
+                    if self.rt.stop_requested:  # Ctrl-C / SIGTERM: keep this step, then stop
+                        return self.stop(step, saved, metrics)
+                self.finish(start_step)
         finally:
-            if watchdog is not None:
-                watchdog.close()
             self.logger.close()
             write_curves(self.run_dir)
         return RunResult(run_dir=self.run_dir, steps=cfg.train.num_steps, evals=self.evals,
                          final_metrics=metrics)
+
+    def start_policy(self) -> None:
+        """Step 0: the engines serve the base policy as version 0, warmed up (SFT) first
+        when warmup.steps > 0; evaluated before and after the warm-up."""
+        cfg = self.config
+        if cfg.warmup.steps > 0:
+            if cfg.eval.before_and_after:
+                self.evaluate("initial", step=0)
+            warm_up(cfg, self.rt.train_group)
+        self.push_weights(0)  # engines report numbered policy versions
+        if cfg.eval.before_and_after:
+            self.evaluate("base", step=0)
+
+    @contextlib.contextmanager
+    def watched(self) -> Iterator[Watchdog]:
+        """The hang watchdog over the steps: a failure after it ended a stuck call is a
+        HangError naming that call."""
+        watchdog = Watchdog(self.config.train.hang_timeout_s, self.run_dir)
+        try:
+            yield watchdog
+        except Exception as err:
+            if watchdog.message:  # it ended the stuck call
+                raise HangError(watchdog.message) from err
+            raise
+        finally:
+            watchdog.close()
+
+    def save_if_due(self, step: int) -> bool:
+        interval = self.config.train.save_interval
+        due = bool(interval and step % interval == 0)
+        if due:
+            self.save(step)
+        return due
+
+    def stop(self, step: int, saved: bool, metrics: dict[str, float]) -> RunResult:
+        """A requested stop after ``step``: save it (unless just saved) and the ledger."""
+        if not saved:
+            self.save(step)
+        self.write_ledger()
+        print(f"stopped after step {step}; resume with "
+              f"logging.run_name={self.run_dir.name}", flush=True)
+        return RunResult(run_dir=self.run_dir, steps=step, evals=self.evals,
+                         final_metrics=metrics)
+
+    def finish(self, start_step: int) -> None:
+        """The last step saved, the ledger checked, the trained policy evaluated."""
+        cfg = self.config
+        last = cfg.train.num_steps
+        if start_step < last and not (cfg.train.save_interval
+                                      and last % cfg.train.save_interval == 0):
+            self.save(last)
+        self.write_ledger()
+        if cfg.eval.before_and_after:
+            self.evaluate("trained", step=last)
+        if self.evals:
+            write_eval_table(self.run_dir, self.evals)
 
     def colocated_steps(self, start_step: int) -> Iterator[tuple[int, dict[str, float]]]:
         """Generate, then train on the same devices, then push: strictly on-policy."""
@@ -285,68 +317,18 @@ class Driver:
             f.write(json.dumps({"step": step, "labels": list(groups.values()),
                                 "tokens_sha256": batch.tokens_sha256}, default=str) + "\n")
 
-    # ------------------------------------------------------------------ warm-up
-    def warmup(self) -> None:
-        """Supervised warm-up on the environment's scripted transcripts (SFT)."""
-        from transformers import AutoTokenizer
-
-        from rollout.demos import make_demos
-        from rollout.sample import RolloutBatch
-        from trainer.driver import components
-
-        cfg = self.config.warmup
-        tokenizer = AutoTokenizer.from_pretrained(
-            resolve_model_path(self.config.model.path, self.config.model.cache_dir))
-        start = time.perf_counter()
-        demos = make_demos(tokenizer, cfg.steps * cfg.batch_size, seed=cfg.seed,
-                           splits=cfg.splits, **components.rollout_sections(self.config))
-        for s in demos:
-            s.reward = 0.0  # SFT ignores rewards; the batch format requires one
-        print(f"warm-up: {len(demos)} scripted transcripts ({'+'.join(cfg.splits)} prompts) in "
-              f"{time.perf_counter() - start:.1f}s; {cfg.steps} SFT steps", flush=True)
-        for i in range(cfg.steps):
-            chunk = demos[i * cfg.batch_size:(i + 1) * cfg.batch_size]
-            m = self.rt.train_group.sft_step(RolloutBatch.from_samples(chunk))
-            if (i + 1) % max(1, cfg.steps // 10) == 0 or i + 1 == cfg.steps:
-                print(f"warm-up step {i + 1}/{cfg.steps} | nll {m.get('train/sft_loss', float('nan')):.4f}"
-                      f" | {time.perf_counter() - start:.1f}s", flush=True)
-        self.push_weights(0)
-
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, name: str, *, step: int) -> dict[str, float]:
         if self._pipeline is not None:
             self._pipeline.prefetched()  # one manager call at a time: let generation finish
-        result = ray.get(self.rt.manager.evaluate.remote("eval"))
-        metrics, rows = result["metrics"], result["rows"]
-        if self.config.eval.train_split:
-            # The same measurement on the training prompts: what RL optimised, next to
-            # the held-out split that shows whether it generalises.
-            train = ray.get(self.rt.manager.evaluate.remote("train"))
-            metrics.update({f"train_{k}": v for k, v in train["metrics"].items()})
-            rows += [{**row, "split": "train"} for row in train["rows"]]
+        metrics, rows = run_evaluation(self.rt.manager, train_split=self.config.eval.train_split)
         self.evals[name] = metrics
-        eval_dir = self.run_dir / "eval"
-        eval_dir.mkdir(exist_ok=True)
-        with open(eval_dir / f"{name}.jsonl", "w") as f:
-            for row in rows:
-                f.write(json.dumps(row, default=str) + "\n")
+        write_rows(self.run_dir, name, rows)
         if self.logger is not None:
             self.logger.log(step, {f"{name}/{k}": v for k, v in metrics.items()}, progress=False)
             write_curves(self.run_dir)
-        line = " | ".join(f"{title} {fmt.format(metrics[f'eval/{key}'])}"
-                          for key, title, fmt in EVAL_COLUMNS if f"eval/{key}" in metrics)
-        if "train_eval/success_rate" in metrics:
-            line += f" | train-split success {metrics['train_eval/success_rate']:.1%}"
-        print(f"eval [{name}] sampled: {line}", flush=True)
+        print_line(name, metrics)
         return metrics
-
-    def write_eval_table(self) -> str:
-        table = format_eval_table(self.evals)
-        (self.run_dir / "eval_table.md").write_text(table + "\n")
-        write_json(self.run_dir / "eval.json", self.evals)
-        print(f"\n{terminal_eval_table(self.evals)}\nevery column: {self.run_dir / 'eval_table.md'}"
-              f"\ncurves: {self.run_dir / 'curves.png'}", flush=True)
-        return table
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> Path:
@@ -372,15 +354,4 @@ class Driver:
         self.push_weights(resumed.step)
         print(f"resumed from {path} at step {resumed.step}", flush=True)
         return resumed.step
-
-
-def summarize_gain(evals: dict[str, dict[str, float]], before: str = "base",
-                   after: str = "trained") -> dict[str, Any]:
-    """Success-rate change of the RL stage (percentage points), sampled and greedy."""
-    out = {}
-    for prefix in ("eval", "eval_greedy"):
-        key = f"{prefix}/success_rate"
-        if key in evals.get(before, {}) and key in evals.get(after, {}):
-            out[prefix] = 100 * (evals[after][key] - evals[before][key])
-    return out
 
