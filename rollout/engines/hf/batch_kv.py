@@ -3,7 +3,7 @@
 Per layer one K and one V buffer ``[row capacity, kv heads, column capacity, head dim]``.
 Active rows are ``[0, rows)`` and active columns ``[c0, c1)``; every row is left-padded so
 that its last token sits in column ``c1 - 1``, and a decode step writes column ``c1`` of
-all rows at once. Changes that used to copy the whole batch now move only what changed:
+all rows at once. A change moves only what changed:
 
 - rows joining (a prefill) are written into free slots, right-aligned at ``c1``; the window
   widens to the left into spare columns when they are longer than the batch;
@@ -12,9 +12,8 @@ all rows at once. Changes that used to copy the whole batch now move only what c
 
 The buffers are reallocated (one copy of the window) only when rows, left room or right
 room run out, sized to the batch of the moment plus spare; the right room grows with the
-window, so a long generation reallocates O(log) times. In bench_engine's multi-turn shape
-the full-batch copies on every join and every finish were a third of the scheduler's busy
-time. Buffers start zeroed and are only ever written with real K/V, so the columns a row
+window, so a long generation reallocates O(log) times (what full-batch copies on every
+join and finish would cost: docs/performance.md). Buffers start zeroed and are only ever written with real K/V, so the columns a row
 masks out hold finite numbers (0 * NaN would poison attention scores).
 """
 

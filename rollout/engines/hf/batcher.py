@@ -20,12 +20,10 @@ shift RoPE; pad columns are masked out, so a row's log-probs equal a fresh forwa
 of that row alone (up to float rounding).
 
 Why not transformers' own continuous batching (``generate_batch`` /
-ContinuousBatchingManager, paged attention): it does run on CPU (transformers 5.24,
-attn "paged|eager") and carries log-probs, but measured on the bench workload (tiny model,
-64 mixed-length prompts x 32 tokens, 1 thread) it took 34 s against ~0.7 s here: its
-scheduling and paged-cache bookkeeping are built for GPUs and dominate on small CPU
-models. One padded batch of rows is simple, exact, and fast for ~1M-135M-parameter
-models.
+ContinuousBatchingManager, paged attention): it runs on CPU and carries log-probs, but its
+scheduling and paged-cache bookkeeping are built for GPUs and dominate on small CPU models
+(docs/performance.md, "Design figures"). One padded batch of rows is simple, exact, and
+fast for ~1M-135M-parameter models.
 
 Log-probs (matching SGLang's default, see sglang/srt/layers/sampler.py): the log-prob of
 the sampled token under the temperature-scaled distribution, log_softmax(logits / T),
@@ -87,9 +85,8 @@ class Request:
 def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of ``probs`` [B, vocab], by inverse CDF: a uniform draw per row
     located in the row's cumulative sum (as torch.multinomial does with replacement, but
-    that one spends as long as the draw without: 65 ms per decode step at batch 64 x 49k
-    vocab on one core, a fifth of SmolLM2's step; this takes ~5 ms). Each token's share of
-    the float32 sum is exact up to one rounding of the running sum (<= 6e-8 absolute)."""
+    that one spends as long as the draw without). Each token's share of the float32 sum
+    is exact up to one rounding of the running sum (<= 6e-8 absolute)."""
     return _locate(probs.cumsum(-1), generator)
 
 
@@ -104,8 +101,8 @@ def sample_plain(scaled: torch.Tensor, generator: torch.Generator, want_lp: bool
     """Tokens for rows of temperature-scaled logits [B, vocab] with no top-k/top-p (the RL
     default), and their log-probs (None unless ``want_lp``). One [B, vocab] tensor (exp,
     then its running sum in place, searched like ``draw``) where log-softmax + softmax +
-    ``draw`` make three: SmolLM2, batch 64, ~6 vs ~16 ms per decode step. The log-prob is
-    log-softmax's own formula, x - max - log(sum(exp(x - max))), at the sampled token."""
+    ``draw`` make three. The log-prob is log-softmax's own formula,
+    x - max - log(sum(exp(x - max))), at the sampled token."""
     top = scaled.amax(-1, keepdim=True)
     cdf = (scaled - top).exp_()
     total = cdf.sum(-1, keepdim=True) if want_lp else None
@@ -344,9 +341,9 @@ class Batcher:
         """Requests came in while a fresh batch was prefilling, e.g. the rest of a burst
         whose first request arrived a few ms early: they join (gathered like a burst on an
         idle engine) before the first decode step, so the wave decodes in step. Otherwise
-        the early rows run a step ahead and the batch needs one extra step at the end
-        (SmolLM2, bench burst: ~0.3 s of 24). A full batch is never held, and a wave at
-        most twice, so a steady stream of arrivals cannot keep it from decoding."""
+        the early rows run a step ahead and the batch needs one extra step at the end.
+        A full batch is never held, and a wave at most twice, so a steady stream of
+        arrivals cannot keep it from decoding."""
         if not self.rows or not self._fresh_batch():
             self._wave_holds = 0
             return False

@@ -3,22 +3,19 @@
 - ``homegym_gqa`` attention, decode: a C kernel (csrc/kernels.c, built by
   native.py) that reads each K/V column once for the G query heads sharing it and skips
   the columns a row masks out. In a batch of mixed lengths those are most of a short
-  row's columns: the running batch is as wide as its longest row. SmolLM2-135M, batch 64
-  of mixed lengths: decode step 345 -> 295 ms. Without a C compiler, the same math in
-  torch: eager attention with the G query heads folded into the query-length axis, so
-  K/V are read in place instead of ``repeat_kv``'s G copies per step (those copies were
-  ~40% of decode time); for one query per row it beats SDPA (0.26 vs 0.31 ms per layer,
-  tiny-qwen3, batch 64 x 130 cached tokens).
+  row's columns: the running batch is as wide as its longest row. Without a C compiler,
+  the same math in torch: eager attention with the G query heads folded into the
+  query-length axis, so K/V are read in place instead of ``repeat_kv``'s G copies per
+  step; for one query per row it beats SDPA.
 - ``homegym_gqa`` attention, prefill: SDPA with the same additive mask. Its blocked kernel
-  never materializes the scores and is 2.5-3x faster than eager on prefill chunks
-  (batch 16 x 160 tokens: 3.9 vs 12.7 ms per layer for tiny-qwen3, 14.5 vs 36 ms for
-  SmolLM2-135M).
+  never materializes the scores, unlike eager.
 - ``rope_``: the rotary embedding in place by a C kernel, bitwise transformers'
-  rotate-half form, one pass instead of five temporaries (SmolLM2, a prefill wave's q/k:
-  13 -> 0.6 ms per layer).
+  rotate-half form, one pass instead of five temporaries.
 - ``rms_norm``: the Llama family's RMSNorm by a C kernel, one pass over each row where
-  torch's CPU op is a composite of five dispatched ops with temporaries (tiny-qwen3's 17
-  norms per decode step: 15-16 -> 5-6 us each, ~5% of the step).
+  torch's CPU op is a composite of five dispatched ops with temporaries.
+
+What each saves, measured: docs/performance.md ("Engine vs model.generate()" and
+"Design figures").
 - ``GrowingLayer``: a KV cache layer with spare capacity, written in place, instead of
   DynamicLayer's ``torch.cat`` (which copies the whole cache at every step).
 """

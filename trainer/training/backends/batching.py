@@ -18,18 +18,14 @@ share: dealt sample by sample, a group of 8 over 8 ranks would share nothing.
 
 The padded layout (``build_micro_batch``, used by Megatron and with
 ``train.share_prompts=false``) pads rather than packs several samples into one row with
-restarting position_ids: measured on 2 CPU cores with the tiny Qwen3 (64 samples of
-100-200 tokens, eager attention, forward+backward), length-sorted padding took 1.24 s and
-packing into rows of 512/1024/2048 tokens 2.8/3.6/12.5 s, because eager/sdpa attention
-with a block-diagonal mask still costs row_len^2 per row.
+restarting position_ids, because eager/sdpa attention with a block-diagonal mask still
+costs row_len^2 per row.
 
 The shared-prefix layout (``build_shared_prefix_micro_batch``, FSDP's default) avoids
 both costs: a GRPO group's common prefix (its prompt, and often a first turn all its
 samples took) runs once, and the rest of each sample runs packed in one row that only
-attention re-pads (``packed_attention``). Measured on the bench_vs_trl multi-turn batch
-(32 games of one 79-token prompt, ~70 response tokens each, tiny Qwen3, 1 thread):
-0.77 s per train step padded, 0.47 s sharing only the prompt (padded responses), 0.33 s
-sharing the common prefix with packed suffixes; log-probs equal to 1e-5.
+attention re-pads (``packed_attention``); log-probs are unchanged. What each layout costs,
+measured: docs/performance.md ("Design figures").
 """
 
 from __future__ import annotations
