@@ -165,3 +165,36 @@ def test_gradients_flow_through_a_shared_prefix_state(layer):
             assert (a - b).abs().max() <= 1e-9 * max(1.0, b.abs().max())
     finally:
         layer.float()
+
+
+def test_in_place_step_and_smaller_chunks_compute_the_same_rule(layer):
+    """The engine's forms of the rule: the in-place decode step equals the functional step
+    (state and output, fp32 within the fp64-measured noise), and a prefill in 16-token
+    chunks equals one in 64-token chunks, over packed rows from initial states."""
+    q, k, v, g, beta, h0 = _rule_inputs(5, 1)
+    want_o, want_s = gdn.recurrent_gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0],
+                                                         beta[:, 0], h0)
+    state = h0.clone()
+    o = gdn.recurrent_gated_delta_rule_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                             state)
+    state64 = h0.double()
+    o64 = gdn.recurrent_gated_delta_rule_step_(*(x[:, 0].double() for x in (q, k, v, g, beta)),
+                                               state64)
+    assert (o.double() - o64).abs().max() < ATOL and (state.double() - state64).abs().max() < ATOL
+    assert (o - want_o).abs().max() < ATOL and (state - want_s).abs().max() < ATOL
+    hidden = torch.randn(1, 40, layer.hidden_size, generator=torch.Generator().manual_seed(4))
+    cu = torch.tensor([0, 13, 20, 40])
+    start = _random_states(layer, 3)
+    out64, end64 = gdn.gated_deltanet(layer, hidden, cu_seqlens=cu, initial_state=start)
+    out16, end16 = gdn.gated_deltanet(layer, hidden, cu_seqlens=cu, initial_state=start,
+                                      chunk_size=16)
+    assert (out16 - out64).abs().max() < ATOL
+    assert (end16.recurrent - end64.recurrent).abs().max() < ATOL
+    assert torch.equal(end16.conv, end64.conv)
+    # A layer step in place leaves the states the functional step returns.
+    step_state = gdn.GDNState(end64.conv.clone(), end64.recurrent.clone())
+    out_step = gdn.gated_deltanet_step_(layer, hidden[0, :3], step_state)
+    want_out, want_state = gdn.gated_deltanet_step(layer, hidden[0, :3], end64)
+    assert (out_step - want_out).abs().max() < ATOL
+    assert torch.equal(step_state.conv, want_state.conv)
+    assert (step_state.recurrent - want_state.recurrent).abs().max() < ATOL

