@@ -104,8 +104,5 @@ def test_every_weight_push_to_a_hybrid_model_flushes_the_engines_caches():
         return sync.plan(1).flush_cache
 
     assert flushes("model.path=tiny-qwen3_5")
-    assert flushes("model.path=tiny-qwen3_5", "cluster.colocate=false",
-                   "rollout.update_in_flight=abort")
     assert not flushes()
-    assert not flushes("cluster.colocate=false")
     assert flushes("cluster.colocate=false", "rollout.update_in_flight=abort")
