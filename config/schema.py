@@ -293,6 +293,9 @@ class AlgoConfig:
     # 0 = synchronous; k = a trained sample may be at most k policy versions old (async).
     max_staleness: int = 0
     stale_policy: str = "drop"  # drop | keep (keep counts, the rollout correction corrects)
+    # max_staleness > 0 trains on samples from older weights; without a rollout correction
+    # that gap goes unweighted, so it is refused unless this says it is meant.
+    allow_uncorrected_staleness: bool = False
 
     def __post_init__(self) -> None:
         _one_of(self.advantage_estimator, "algo.advantage_estimator", choices(AdvantageEstimator))
@@ -307,6 +310,11 @@ class AlgoConfig:
             _check(self.dual_clip_c > 1, "algo.dual_clip_c", "must be > 1")
         _check(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
         _check(self.max_staleness >= 0, "algo.max_staleness", "must be >= 0")
+        _check(self.max_staleness == 0 or self.rollout_correction != "none"
+               or self.tis_clip is not None or self.allow_uncorrected_staleness,
+               "algo.max_staleness", f"{self.max_staleness} with algo.rollout_correction=none "
+               "trains on samples from older weights uncorrected: set algo.rollout_correction "
+               "(e.g. token_tis; docs/algorithms.md) or algo.allow_uncorrected_staleness=true")
         _check(self.sapo_tau_pos > 0, "algo.sapo_tau_pos", "must be > 0")
         _check(self.sapo_tau_neg > 0, "algo.sapo_tau_neg", "must be > 0")
         if self.tis_clip is not None:

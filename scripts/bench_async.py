@@ -63,7 +63,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = [run("colocated_sync", out, args),
                run("disaggregated_async", out, args, "cluster.colocate=false",
-                   "algo.max_staleness=1")]
+                   "algo.max_staleness=1", "algo.rollout_correction=token_tis")]
     sync, asyn = results
     print(f"\nmodel tiny-qwen3, guessing game, {args.batch}x{args.samples} episodes/step, "
           f"{args.steps} steps, 1 engine + 1 rank, {os.cpu_count()} CPUs, load "

@@ -41,7 +41,8 @@ sys.path.insert(0, str(REPO))
 CORRECTIONS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_mask", "icepop")
 REGIMES = {
     "bf16": ["rollout.dtype=bfloat16"],
-    "async": ["cluster.colocate=false", "algo.max_staleness=2"],
+    "async": ["cluster.colocate=false", "algo.max_staleness=2",
+              "algo.allow_uncorrected_staleness=true"],  # none is the baseline
     "noise": [],  # + rollout.weight_noise=<--noise>
 }
 # The table's mismatch columns: metric, header, format.
@@ -82,14 +83,14 @@ def warm_checkpoint(args, out: Path) -> str:
         print(f"warm-up: cached {hf}", flush=True)
         return str(hf)
     from rollout.models import resolve_model_path
-    from trainer.driver.loop import Driver
     from trainer.driver.runtime import Runtime
+    from trainer.driver.warmup import warm_up
 
     start = time.perf_counter()
     run_dir = out / "warmup"
     run_dir.mkdir(parents=True, exist_ok=True)
     with Runtime(base, run_dir) as rt:
-        Driver(base, run_dir, rt).warmup()
+        warm_up(base, rt.train_group)
         tmp = hf.with_name("hf.tmp")
         rt.train_group.export_hf(str(tmp), resolve_model_path(base.model.path, base.model.cache_dir),
                                  rt.weights.bucket_bytes)
@@ -103,8 +104,9 @@ def run_regime(name: str, overrides: list[str], args, out: Path, results: list[d
     (and written to <out>/results.json after each)."""
     import ray
 
-    from rollout.manager import RolloutManager
     from config import compose_config
+    from rollout.manager import RolloutManager
+    from trainer.driver import components
     from trainer.driver.loop import Driver
     from trainer.driver.runtime import Runtime
 
@@ -131,7 +133,8 @@ def run_regime(name: str, overrides: list[str], args, out: Path, results: list[d
                 rt.train_group.load(reset)
                 rt.train_group.set_algo(config.algo)
                 ray.kill(rt.manager)
-                rt.manager = RolloutManager.remote(config, rt.engines.router_url)
+                rt.manager = RolloutManager.remote(router_url=rt.engines.router_url,
+                                                   **components.manager_args(config))
                 run_dir = regime_dir / f"{correction}-seed{seed}"
                 run_dir.mkdir(exist_ok=True)
                 driver = Driver(config, run_dir, rt)

@@ -155,7 +155,8 @@ def run_homegym(args, model_path: str, task: str, out: Path, *, overlap: bool = 
         "train.save_interval=null", "logging.wandb_mode=disabled",
         f"cluster.torch_threads={threads}",
         f"logging.output_dir={out}", f"logging.run_name={run_name}",
-        f"train.seed={args.seed}"] + (["cluster.colocate=false", "algo.max_staleness=1"]
+        f"train.seed={args.seed}"] + (["cluster.colocate=false", "algo.max_staleness=1",
+                                        "algo.rollout_correction=token_tis"]
                                       if overlap else []) + list(args.homegym_override)
     config = compose_config(overrides)
     # A Ray instance of our own: a bare ray.init() would join any other cluster on the box.

@@ -199,7 +199,7 @@ WEIGHT_PHASE = {"async": "push", "colocated": "release"}
 
 # ---------------------------------------------------------------------- the soak
 MODES = {
-    "async": ["cluster.colocate=false", "algo.max_staleness=1"],
+    "async": ["cluster.colocate=false", "algo.max_staleness=1", "algo.rollout_correction=token_tis"],
     "colocated": ["cluster.colocate=true"],
 }
 BASE = ["rollout.num_engines=2", "train.ranks_per_node=1", "warmup.steps=0",

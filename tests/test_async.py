@@ -39,7 +39,7 @@ def test_staleness_zero_trains_on_exactly_the_colocated_batches(tmp_path):
 
 def test_no_trained_sample_is_staler_than_the_bound(tmp_path):
     run_dir = run(tmp_path, "async1", "train.num_steps=4", "cluster.colocate=false",
-                  "algo.max_staleness=1")
+                  "algo.max_staleness=1", "algo.rollout_correction=token_tis")
     steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "async/trained_max_staleness" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     # The bound holds where generation is scheduled, not only where filter_stale would

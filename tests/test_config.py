@@ -113,7 +113,9 @@ def test_wrong_type_is_named():
     (["rollout.engine=sglang"], "rollout.dtype", "bfloat16 only"),
     (["rollout.engine=sglang", "rollout.dtype=bfloat16", "rollout.num_gpus_per_engine=2"],
      "rollout.num_gpus_per_engine", "must be 1"),
-    (["algo.max_staleness=1"], "algo.max_staleness", "colocate"),
+    (["algo.max_staleness=1", "algo.rollout_correction=token_tis"], "algo.max_staleness", "colocate"),
+    (["cluster.colocate=false", "algo.max_staleness=1"], "algo.max_staleness",
+     "rollout_correction=none .* algo.allow_uncorrected_staleness=true"),
     (["train.global_batch_size=7"], "train.global_batch_size", "must divide"),
     (["warmup.splits=[train,test]"], "warmup.splits", "'train' / 'eval'"),
     (["train.share_prompts=true", "train.backend=megatron"], "train.share_prompts", "fsdp"),
@@ -124,6 +126,12 @@ def test_rule_violations_name_key_and_rule(overrides, key, rule):
     with pytest.raises(ConfigError, match=rule) as info:
         compose_config(*overrides)
     assert str(info.value).startswith(key)
+
+
+@pytest.mark.parametrize("fix", ["algo.rollout_correction=icepop", "algo.tis_clip=2",
+                                 "algo.allow_uncorrected_staleness=true"])
+def test_staleness_with_a_correction_or_explicitly_allowed(fix):
+    assert compose_config("cluster.colocate=false", "algo.max_staleness=2", fix).algo.max_staleness == 2
 
 
 def test_share_prompts_defaults_to_where_it_applies():

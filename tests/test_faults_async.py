@@ -24,7 +24,8 @@ def chaos_module():
     return module
 
 
-ASYNC = ["cluster.colocate=false", "algo.max_staleness=1", "rollout.num_engines=2",
+ASYNC = ["cluster.colocate=false", "algo.max_staleness=1", "algo.rollout_correction=token_tis",
+         "rollout.num_engines=2",
          "train.ranks_per_node=1", "warmup.steps=0", "eval.before_and_after=false",
          "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4"]
 
