@@ -121,6 +121,12 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def ray_address(ray_local) -> str:
+    """The session's Ray instance, for a ``trainer.main`` subprocess to join (run_main)."""
+    return ray_local.get_runtime_context().gcs_address
+
+
 @pytest.fixture()
 def engine_group(ray_local, tiny_model_path, tmp_path):
     """``engine_group(config, **kwargs)`` starts an EngineGroup (tiny model by default)
@@ -147,6 +153,77 @@ def fresh_logprobs(model, prompt, output, temperature):
     if temperature > 0:
         logits = logits / temperature
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+
+
+# What session-scoped fixtures started (actor ids, server (pid, start time)): owned by the
+# session, not leaked by the test or module that happened to start them.
+_SESSION_ACTORS: set = set()
+_SESSION_SERVERS: set = set()
+
+# A fixed greedy request whose answer (tokens and log-probs, from an empty prefix cache)
+# fingerprints an engine's weights.
+_FINGERPRINT = {"input_ids": [5, 17, 42, 99, 7], "return_logprob": True,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}}
+
+
+def _engine_state(group, *, idle_timeout_s: float = 60) -> dict:
+    """What a test must leave as it found it: every engine alive and behind the router,
+    its weights (version and a greedy fingerprint), not paused, memory not released,
+    nothing running (aborted requests get ``idle_timeout_s`` to wind down)."""
+    import time
+
+    import requests
+
+    deadline = time.monotonic() + idle_timeout_s
+    while any(i.get("num_running_reqs") for i in group.server_infos()):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    infos = group.server_infos()
+    workers = requests.get(f"{group.router_url}/workers", timeout=30).json()
+    workers = workers.get("workers", workers) if isinstance(workers, dict) else workers
+    group.flush_cache()
+    prints = []
+    for url in group.urls:
+        out = requests.post(f"{url}/generate", json=_FINGERPRINT, timeout=60).json()
+        prints.append((out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]))
+    return {"urls": list(group.urls), "health": group.health(),
+            "router": sorted((w["url"], w.get("is_healthy")) for w in workers),
+            "versions": group.weight_versions(), "weights": prints,
+            "running": [i.get("num_running_reqs") for i in infos],
+            "paused": [i.get("paused") for i in infos], "released": [i.get("released") for i in infos]}
+
+
+@pytest.fixture(scope="session")
+def shared_engines(ray_local, tiny_model_path, tmp_path_factory):
+    """Two hf engines (tiny model) behind the router for the whole session, with their state
+    as started (``_engine_state``). Use it through ``shared_router``."""
+    from rollout_engines import config
+    from trainer.driver import components
+
+    actors, servers = _alive_actors(), _servers()
+    group = components.engine_group(config(num_engines=2), model_path=tiny_model_path,
+                        log_dir=str(tmp_path_factory.mktemp("shared-engines")))
+    try:
+        _SESSION_ACTORS.update(set(_alive_actors()) - set(actors))
+        _SESSION_SERVERS.update(set(_servers()) - set(servers))
+        yield group, _engine_state(group)
+    finally:
+        group.shutdown()
+
+
+@pytest.fixture()
+def shared_router(shared_engines) -> str:
+    """The router URL of the session's two engines (tiny model, ``rollout_engines.config``'s
+    settings), for a test that generates, aborts or times out requests but changes nothing
+    else: after the test the engines must be as it found them (weights, count, not paused,
+    memory held, idle), or it fails. A test that pushes weights, pauses, releases memory or
+    kills an engine starts its own group (``engine_group``)."""
+    group, found = shared_engines
+    yield group.router_url
+    left = _engine_state(group)
+    changed = {k: (found[k], left[k]) for k in found if found[k] != left[k]}
+    assert not changed, f"the test left the shared engines changed (found, left): {changed}"
 
 
 def push_tensors(client, named_tensors, version=None) -> dict:
@@ -271,9 +348,10 @@ def _check_no_leaks(before_actors: dict, before_servers: dict, where: str,
 
     deadline = time.monotonic() + 30
     while True:
-        actors = {a: c for a, c in _alive_actors().items() if a not in before_actors}
+        actors = {a: c for a, c in _alive_actors().items()
+                  if a not in before_actors and a not in _SESSION_ACTORS}
         servers = {k: c for k, c in _servers().items() if k not in before_servers
-                   and not _supervised_by(k[0], before_pids)}
+                   and k not in _SESSION_SERVERS and not _supervised_by(k[0], before_pids)}
         if not actors and not servers:
             return
         if time.monotonic() > deadline:
@@ -373,16 +451,24 @@ class MainRun:
         return read_jsonl(self.run_dir / "metrics.jsonl")
 
 
-def run_main(tmp_path, *overrides, timeout_s: float = 600, run_name: str = "run") -> MainRun:
+def run_main(tmp_path, *overrides, timeout_s: float = 600, run_name: str = "run",
+             ray_address: str | None = None) -> MainRun:
     """``python -m trainer.main`` in its own process group (killed whole when it ends or
     times out), with a clean environment and the run under ``tmp_path``; fails with the
-    output's tail."""
+    output's tail. ``ray_address`` (the ``ray_address`` fixture): the run joins the
+    session's Ray instance (RAY_ADDRESS, as on a cluster) instead of starting its own,
+    which saves a Ray start and stop; not for a run whose test kills its process group or
+    checks what it leaves behind (its actors then live in the session's Ray, not under the
+    driver), nor for one that needs an environment the session's Ray workers lack."""
     import sys
 
     out_dir = Path(tmp_path) / "out"
     cmd = [sys.executable, "-m", "trainer.main", f"logging.output_dir={out_dir}",
            f"logging.run_name={run_name}", "logging.wandb_mode=offline", *overrides]
-    proc = run_group(cmd, cwd=REPO, env=clean_env(), timeout_s=timeout_s, merge_output=True)
+    env = clean_env()
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
+    proc = run_group(cmd, cwd=REPO, env=env, timeout_s=timeout_s, merge_output=True)
     if proc.returncode != 0:
         pytest.fail(f"trainer.main exited {proc.returncode}:\n{proc.stdout[-4000:]}")
     return MainRun(out_dir / run_name, proc.stdout)

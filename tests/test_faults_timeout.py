@@ -14,7 +14,7 @@ import pytest
 from envs.number_guess import NumberGuessEnv
 from rollout.http import close_session
 from rollout.manager import RolloutManagerCore
-from rollout_engines import config, engines
+from rollout_engines import config
 from trainer.driver import components
 
 HANG_S = 3600
@@ -77,13 +77,12 @@ def test_hanging_reward_function_times_out_as_failed(group_rm):
 
 
 @pytest.mark.slow
-def test_hanging_environment_times_out_as_failed(ray_local, tiny_model_path):
+def test_hanging_environment_times_out_as_failed(shared_router):
     cfg = config(rollout_batch_size=2, n_samples_per_prompt=2, sample_timeout_s=3.0)
     from dataclasses import replace
 
     cfg = replace(cfg, env=replace(cfg.env, name="test_faults_timeout.StepHangsOnGroup1"))
-    with engines(tiny_model_path) as router:
-        batch, took = _run(cfg, router)
+    batch, took = _run(cfg, shared_router)
     assert len(batch) == 4 and 1 not in batch.group_ids
     assert "failed" not in batch.statuses
     assert batch.metrics["rollout/failed_samples"] >= 1

@@ -9,20 +9,19 @@ from rollout.engines.client import EngineError
 from rollout.generate import EnginePolicy, Episode, GenerateState, generate, run_episode
 from rollout.http import close_session, post
 from rollout.sample import Sample
-from rollout_engines import config, engines, start_decoding
+from rollout_engines import config, start_decoding
 from rollout_plugins import EndlessEnv
 from trainer.driver import components
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def router(ray_local, tiny_model_path):
-    with engines(tiny_model_path) as url:
-        yield url
+@pytest.fixture()
+def router(shared_router):
+    return shared_router
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def state(router):
     return GenerateState(RolloutArgs(router, **components.rollout_sections(config())))
 

@@ -61,33 +61,34 @@ async def constant_rm(args, sample, **kwargs):
 
 @pytest.mark.slow
 def test_manager_trains_every_group_once_through_failures_extras_and_a_checkpoint(
-        ray_local, tiny_model_path, tmp_path):
+        shared_router, tmp_path):
     from rollout.manager import RolloutManagerCore
-    from rollout_engines import config, engines
+    from rollout_engines import config
 
     cfg = config(num_engines=1, rollout_batch_size=3, n_samples_per_prompt=2,
                  over_sampling_batch_size=5, max_response_len=4,
                  custom_generate_function="test_rollout_ledger:flaky_generate",
                  custom_rm_function="test_rollout_ledger:constant_rm")
-    with engines(tiny_model_path, num_engines=1) as router:
-        async def go():
-            core = RolloutManagerCore(router_url=router, **components.manager_args(cfg))
-            num_rows = len(core.train_data)
-            steps = 0
-            # Train (mark trained) until two full epochs have been drawn; checkpoint and
-            # restore into a new manager half-way, as a resume does.
-            while core.train_data.epoch < 2:
-                batch = await core.generate(steps)
-                core.mark_trained(batch.group_ids)
-                steps += 1
-                if steps == 3:
-                    state = pickle.loads(pickle.dumps(core.state_dict()))
-                    core = RolloutManagerCore(router_url=router, **components.manager_args(cfg))
-                    core.load_state_dict(state)
-            summary = core.verify_ledger()
-            await close_session()
-            return core, num_rows, summary
-        core, num_rows, summary = asyncio.run(go())
+
+    async def go():
+        core = RolloutManagerCore(router_url=shared_router, **components.manager_args(cfg))
+        num_rows = len(core.train_data)
+        steps = 0
+        # Train (mark trained) until two full epochs have been drawn; checkpoint and
+        # restore into a new manager half-way, as a resume does.
+        while core.train_data.epoch < 2:
+            batch = await core.generate(steps)
+            core.mark_trained(batch.group_ids)
+            steps += 1
+            if steps == 3:
+                state = pickle.loads(pickle.dumps(core.state_dict()))
+                core = RolloutManagerCore(router_url=shared_router, **components.manager_args(cfg))
+                core.load_state_dict(state)
+        summary = core.verify_ledger()
+        await close_session()
+        return core, num_rows, summary
+
+    core, num_rows, summary = asyncio.run(go())
     # Every row of the first two epochs trained exactly once (none filtered here), apart
     # from those still on their way at the end.
     outstanding = {k for k, s in core.ledger.state.items() if s != "trained"}

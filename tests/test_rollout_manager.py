@@ -7,17 +7,16 @@ import pytest
 
 from rollout.http import close_session
 from rollout.manager import RolloutManager, RolloutManagerCore
-from rollout_engines import config, engines
+from rollout_engines import config
 from rollout_plugins import SlowStartEnv
 from trainer.driver import components
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def router(ray_local, tiny_model_path):
-    with engines(tiny_model_path) as url:
-        yield url
+@pytest.fixture()
+def router(shared_router):
+    return shared_router
 
 
 def run(coro):
