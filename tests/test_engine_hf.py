@@ -1,5 +1,6 @@
 """The CPU engine (rollout/engines/hf) against its HTTP contract, on a real server process."""
 
+import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -676,3 +677,11 @@ def test_weight_noise_perturbs_every_load_the_same_way(tiny_model_path):
     for _ in range(2):  # twice: the noise is re-applied to what is loaded, not accumulated
         noisy._apply([(name, w * 2)], {"flush_cache": False})
         torch.testing.assert_close(loaded, 2 * w * (1 + 0.05 * eps))
+
+    async def reported() -> int:  # a weight push's check would fail: it is not reported
+        from aiohttp.test_utils import TestClient, TestServer
+
+        async with TestClient(TestServer(noisy.app())) as client:
+            r = await client.post("/get_weights_by_name", json={"name": name})
+            return r.status
+    assert asyncio.run(reported()) == 400

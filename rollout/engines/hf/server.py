@@ -536,6 +536,11 @@ class Server:
     async def get_weights_by_name(self, request):
         body = await _body(request)
         name = self._engine_name(body.get("name"))
+        if self.args.weight_noise:
+            # What it serves is not what it was sent: the sender's check would fail. The
+            # client takes this error as "cannot report" and verifies by version only.
+            return _error("weights perturbed by --weight-noise (rollout.weight_noise) are "
+                          "not reported", 400)
         sd = self.model.state_dict()
         if name not in sd:
             return _error("Get parameter by name failed", 400)
