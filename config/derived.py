@@ -14,7 +14,8 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class Derived:
-    # What the run trains, for run names: the recipe, else <env>-<model>.
+    # What the run trains, for run names: the recipe, else <env>-<model>, where <env> is an
+    # adapter's task or game, the environment's name, or the agent's (an agent-only run).
     label: str
     # Inference engines: rollout.num_engines, else rollout.num_gpus / num_gpus_per_engine.
     num_engines: int
@@ -26,14 +27,19 @@ class Derived:
     share_prompts: bool
     # Optimizer steps of the whole run: the horizon of the LR decay.
     total_optimizer_steps: int
+    # eval.before_and_after resolved (null = wherever there is an eval split: an
+    # environment's, or data.eval_path).
+    eval_before_and_after: bool
 
 
 def derive(config) -> Derived:
     """The derived values of a ``HomegymConfig`` (called by its ``__post_init__``)."""
-    rollout, train = config.rollout, config.train
-    env = config.env.name.replace(":", ".").rsplit(".", 1)[-1].lower()
+    rollout, train, env = config.rollout, config.train, config.env
+    named = (env.task or env.id or (env.name if env.enabled else None) or
+             rollout.agent.function or rollout.custom_generate_function or "run")
+    trains = named.replace(":", ".").rsplit(".", 1)[-1].lower()
     model = config.model.path.rstrip("/").rsplit("/", 1)[-1]
-    label = config.recipe_name or f"{env}-{model}"
+    label = config.recipe_name or f"{trains}-{model}"
 
     num_engines = rollout.num_engines
     if num_engines is None:
@@ -54,9 +60,14 @@ def derive(config) -> Derived:
     if share_prompts is None:
         share_prompts = train.backend == "fsdp" and not train.gradient_checkpointing
 
+    eval_before_and_after = config.eval.before_and_after
+    if eval_before_and_after is None:
+        eval_before_and_after = env.enabled or config.data.eval_path is not None
+
     return Derived(label=label, num_engines=num_engines, weight_sync=weight_sync,
                    lora_push=lora_push, share_prompts=share_prompts,
-                   total_optimizer_steps=total_optimizer_steps(rollout, train))
+                   total_optimizer_steps=total_optimizer_steps(rollout, train),
+                   eval_before_and_after=eval_before_and_after)
 
 
 def total_optimizer_steps(rollout, train) -> int:

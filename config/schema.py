@@ -514,24 +514,52 @@ class DataConfig:
     seed: int = 42
 
 
+# env.name values that mean "no environment" (the rollout is user code, e.g. an agent).
+NO_ENV = ("", "none", "null")
+# The adapters' selectors (env=reasoning_gym / openenv / textarena), each passed to the
+# environment as a keyword argument of that name beside env.kwargs.
+ADAPTER_KEYS = ("task", "url", "id")
+
+
 @dataclass
 class EnvConfig:
-    # A registered name (number_guess, arithmetic) or a dotted path to an Environment class.
+    # A registered name (number_guess, arithmetic, reasoning_gym, openenv, textarena) or a
+    # dotted path to an Environment class; empty = no environment (an agent-only run).
     name: str = "number_guess"
     max_turns: int = 6
-    # Constructor keyword arguments of the environment.
+    # Constructor keyword arguments of the environment (with task/url/id below: init_kwargs).
     kwargs: Dict[str, Any] = field(default_factory=dict)
+    task: Optional[str] = None  # reasoning-gym task name (env=reasoning_gym)
+    url: Optional[str] = None  # OpenEnv server address (env=openenv)
+    id: Optional[str] = None  # textarena game id (env=textarena)
 
     def __post_init__(self) -> None:
-        _check(bool(self.name), "env.name", "must name the environment: a registered name "
-               "or a dotted path such as env.name=mypkg.envs:MyEnv")
         _check(self.max_turns >= 1, "env.max_turns", "must be >= 1")
+        for key in ADAPTER_KEYS:
+            value = getattr(self, key)
+            given = self.kwargs.get(key, value)
+            _check(value is None or given == value, f"env.{key}",
+                   f"{value!r} disagrees with env.kwargs.{key}={given!r}; set one")
+
+    @property
+    def enabled(self) -> bool:
+        """False for env.name "", none or null: no environment (the rollout is user code)."""
+        return self.name not in NO_ENV
+
+    @property
+    def init_kwargs(self) -> dict[str, Any]:
+        """What the environment is built with (and its ``dataset`` called with): env.kwargs
+        and the adapter keys that are set."""
+        return {**self.kwargs, **{k: getattr(self, k) for k in ADAPTER_KEYS
+                                  if getattr(self, k) is not None}}
 
 
 @dataclass
 class EvalConfig:
     interval: Optional[int] = None  # steps between evaluations; null = before and after
-    before_and_after: bool = True
+    # Evaluate before and after training; null = wherever there is an eval split (not in an
+    # agent-only run without data.eval_path).
+    before_and_after: Optional[bool] = None
     n_samples_per_prompt: int = 4  # sampled attempts per eval prompt
     temperature: float = 1.0
     greedy: bool = True  # also report a greedy (temperature 0) pass
@@ -582,6 +610,10 @@ class HomegymConfig:
 
     def __post_init__(self) -> None:
         cluster, rollout, train = self.cluster, self.rollout, self.train
+        _check(bool(self.env.name) or bool(rollout.agent.function or
+                                           rollout.custom_generate_function), "env.name",
+               "must name the environment: a registered name or a dotted path such as "
+               "env.name=mypkg.envs:MyEnv (or set rollout.agent.function for an agent-only run)")
         if cluster.device == "cpu":
             _check(rollout.num_engines is not None, "rollout.num_engines",
                    "must be set when cluster.device=cpu")
@@ -650,7 +682,11 @@ class HomegymConfig:
 
 
 def register_schema() -> None:
-    ConfigStore.instance().store(name="homegym_schema", node=HomegymConfig)
+    schema = OmegaConf.structured(HomegymConfig)
+    # The environment's keyword arguments are its own, not homegym's: any name may be set
+    # (env.kwargs.min_terms=2) without Hydra's "+" for a key the schema does not know.
+    OmegaConf.set_struct(schema.env.kwargs, False)
+    ConfigStore.instance().store(name="homegym_schema", node=schema)
 
 
 def build_config(cfg: DictConfig | dict) -> HomegymConfig:

@@ -100,7 +100,7 @@ class DataSource:
 
             env_cls = get_env_class(env.name)
             try:
-                rows = env_cls.dataset(split, **dict(env.kwargs))
+                rows = env_cls.dataset(split, **env.init_kwargs)
             except NotImplementedError as e:
                 key = "data.path" if split == "train" else "data.eval_path"
                 raise ValueError(f"{key} is null and {e}") from e
@@ -123,23 +123,21 @@ class DataSource:
     def _bad(self, i: int, column: str, problem: str) -> ValueError:
         return ValueError(f"{self.origin}: row {i}: column {column!r}: {problem}")
 
-    def prompt(self, i: int) -> tuple[str, list[int], Any, dict]:
-        """(prompt text, prompt ids, label, metadata) of row ``i``, built once."""
-        cached = self._prompts.get(i)
-        if cached is not None:
-            return cached
-        row = self.rows[i]
-        if self.input_key not in row:
-            raise self._bad(i, self.input_key, f"missing (row has {sorted(row)})")
-        value = row[self.input_key]
+    def _prompt_ids(self, i: int, value: Any) -> tuple[str, list[int]]:
+        """Row ``i``'s prompt text and ids; none for a null prompt, which leaves the prompt
+        to the environment's first observation (the episode driver renders it), e.g. a
+        game whose row is its seed."""
+        if value is None:
+            return "", []
         if isinstance(value, str):
             messages = [{"role": "user", "content": value}]
         elif isinstance(value, (list, tuple)) and value and all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in value):
             messages = [dict(m) for m in value]
         else:
-            raise self._bad(i, self.input_key, "expected a string or a non-empty list of "
-                            f"{{role, content}} messages, got {type(value).__name__}")
+            raise self._bad(i, self.input_key, "expected a string, a non-empty list of "
+                            "{role, content} messages or null (the environment's first "
+                            f"observation), got {type(value).__name__}")
         if self.apply_chat_template:
             try:
                 text = self.tokenizer.apply_chat_template(
@@ -152,7 +150,17 @@ class DataSource:
                 raise self._bad(i, self.input_key,
                                 "a message list needs data.apply_chat_template=true")
             text = value
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt(self, i: int) -> tuple[str, list[int], Any, dict]:
+        """(prompt text, prompt ids, label, metadata) of row ``i``, built once."""
+        cached = self._prompts.get(i)
+        if cached is not None:
+            return cached
+        row = self.rows[i]
+        if self.input_key not in row:
+            raise self._bad(i, self.input_key, f"missing (row has {sorted(row)})")
+        text, ids = self._prompt_ids(i, row[self.input_key])
         label = None
         if self.label_key is not None:
             if self.label_key not in row:

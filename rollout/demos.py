@@ -64,7 +64,7 @@ async def play_demos(tokenizer: Any, num_samples: int, *, model: Any, rollout: A
     for k in range(num_samples):
         sample = sources[k % len(sources)].next_group()[0]
         # Each episode its own env seed, so the player mix and random guesses vary.
-        game = env_cls(max_turns=env.max_turns, seed=seed * 1_000_003 + k, **dict(env.kwargs))
+        game = env_cls(max_turns=env.max_turns, seed=seed * 1_000_003 + k, **env.init_kwargs)
         episode = Episode(sample=sample, env=game)
         samples.append(await run_episode(
             episode, ScriptedPolicy(game, tokenizer), renderer,

@@ -11,6 +11,7 @@ turn only *appends* token ids to the sample: the growing context is never re-tok
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
@@ -18,6 +19,8 @@ from rollout.chat import ChatRenderer, load_tokenizer
 from rollout.engines.client import EngineError
 from rollout.http import parse_weight_version, post
 from rollout.sample import Sample
+
+logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------
@@ -160,6 +163,7 @@ class Episode:
     turn_ids: list[int] = field(default_factory=list)  # the current, unfinished turn
     env_reward: float = 0.0
     weight_versions: list[int] = field(default_factory=list)
+    env_closed: bool = False
 
 
 def _note_version(episode: Episode, policy: Any) -> None:
@@ -167,6 +171,20 @@ def _note_version(episode: Episode, policy: Any) -> None:
     if version is not None and (not episode.weight_versions or
                                 episode.weight_versions[-1] != version):
         episode.weight_versions.append(version)
+
+
+async def close_episode(episode: Episode) -> None:
+    """Let the episode's environment release what it holds (a session, a game); a failure
+    to do so is logged, never the sample's failure."""
+    env = episode.env
+    if env is None or episode.env_closed:
+        return
+    episode.env_closed = True
+    try:
+        await env.close()
+    except Exception as err:
+        logger.warning("sample %s: closing its environment failed: %s: %s",
+                       episode.sample.index, type(err).__name__, err)
 
 
 async def run_episode(episode: Episode, policy: Policy, renderer: ChatRenderer, *,
@@ -177,7 +195,22 @@ async def run_episode(episode: Episode, policy: Policy, renderer: ChatRenderer, 
     are rendered as chat user turns (loss mask 0, log-prob 0.0). Status: COMPLETED when the
     environment ends the episode, TRUNCATED on a length stop, an exhausted turn budget or
     context budget, ABORTED when the engine aborted (the episode can be continued later).
+    The environment is closed once the episode is over (finished, or failed by an
+    exception), not when it is aborted.
     """
+    try:
+        s = await _play(episode, policy, renderer, max_turns=max_turns,
+                        max_context_len=max_context_len, max_response_len=max_response_len)
+    except BaseException:
+        await close_episode(episode)
+        raise
+    if s.status != Sample.Status.ABORTED:
+        await close_episode(episode)
+    return s
+
+
+async def _play(episode: Episode, policy: Policy, renderer: ChatRenderer, *,
+                max_turns: int, max_context_len: int, max_response_len: int) -> Sample:
     s, env = episode.sample, episode.env
     tokenizer = renderer.tokenizer
     if not episode.started:

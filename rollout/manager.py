@@ -43,7 +43,7 @@ from rollout.plugins import get_env_class, registered_or_dotted
 from rollout.args import RolloutArgs, load_plugin
 from rollout.data import DataSource
 from rollout.ledger import Ledger, key_of
-from rollout.generate import (EnginePolicy, Episode, GenerateState, run_episode,
+from rollout.generate import (EnginePolicy, Episode, GenerateState, close_episode, run_episode,
                               sampling_params_from)
 from rollout.http import ABORT, ENDPOINT_NAMES, LAST_WEIGHT_VERSION, RETRIES, post
 from rollout.batch_ref import BatchRef
@@ -52,7 +52,6 @@ from rollout.sample import RolloutBatch, Sample
 logger = logging.getLogger(__name__)
 
 Status = Sample.Status
-_NO_ENV = ("", "none", "null")
 
 
 @dataclass
@@ -164,7 +163,7 @@ class RolloutManagerCore:
         self.args = RolloutArgs(router_url, model=model, rollout=rollout, data=data, env=env)
         self.state = GenerateState(self.args)
         ENDPOINT_NAMES[self.state.router_url] = "router"
-        self.env_cls = None if env.name in _NO_ENV else get_env_class(env.name)
+        self.env_cls = get_env_class(env.name) if env.enabled else None
         self.custom_generate = (load_plugin(r.custom_generate_function,
                                             "rollout.custom_generate_function")
                                 if r.custom_generate_function else None)
@@ -185,10 +184,10 @@ class RolloutManagerCore:
                              "rollout.custom_rm_function")
         if self.env_cls is not None:
             try:  # one throwaway instance: bad env.kwargs fail here, not in every sample
-                self.env_cls(max_turns=env.max_turns, **dict(env.kwargs))
+                self.env_cls(max_turns=env.max_turns, **env.init_kwargs)
             except TypeError as e:
                 raise ValueError(f"env.kwargs: {self.env_cls.__name__} rejects "
-                                 f"{dict(env.kwargs)}: {e}") from e
+                                 f"{env.init_kwargs}: {e}") from e
         self.filter = self._load_filter(r.dynamic_sampling_filter)
         self.train_data = self._data_source("train")
         self._eval_data: Optional[DataSource] = None
@@ -224,7 +223,7 @@ class RolloutManagerCore:
             env = None
             if self.env_cls is not None and self.custom_generate is None:
                 env = self.env_cls(max_turns=self.env.max_turns, seed=s.index,
-                                   **dict(self.env.kwargs))
+                                   **self.env.init_kwargs)
             items.append(_Item(Episode(sample=s, env=env), prompt_ids=list(s.tokens)))
         return items
 
@@ -360,6 +359,7 @@ class RolloutManagerCore:
                         self.ledger.buffered(_group_index(items))
                     else:
                         self.ledger.requeue(_group_index(items), "aborted")
+                        await asyncio.gather(*(close_episode(it.episode) for it in items))
             for t, items in tasks.items():  # engines ignored the abort: give up on these
                 t.cancel()
                 self.ledger.requeue(_group_index(items), "aborted")

@@ -132,11 +132,11 @@ class Driver:
         when warmup.steps > 0; evaluated before and after the warm-up."""
         cfg = self.config
         if cfg.warmup.steps > 0:
-            if cfg.eval.before_and_after:
+            if cfg.derived.eval_before_and_after:
                 self.evaluate("initial", step=0)
             warm_up(cfg, self.rt.train_group)
         self.push_weights(0)  # engines report numbered policy versions
-        if cfg.eval.before_and_after:
+        if cfg.derived.eval_before_and_after:
             self.evaluate("base", step=0)
 
     @contextlib.contextmanager
@@ -178,7 +178,7 @@ class Driver:
                                       and last % cfg.train.save_interval == 0):
             self.save(last)
         self.write_ledger()
-        if cfg.eval.before_and_after:
+        if cfg.derived.eval_before_and_after:
             self.evaluate("trained", step=last)
         if self.evals:
             write_eval_table(self.run_dir, self.evals)

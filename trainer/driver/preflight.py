@@ -7,7 +7,9 @@ actor as a remote traceback:
 - every dotted path (rollout.custom_generate_function, rollout.custom_rm_function,
   rollout.dynamic_sampling_filter, env.name) imports and has the shape homegym calls it
   with (async or not, the positional parameters it is given);
-- env.kwargs are accepted by the environment's constructor (one throwaway instance);
+- the environment's own start-up check passes (``Environment.check_setup``: an adapter's
+  package is installed, its task or game exists, its server answers), and env.kwargs are
+  accepted by the environment's constructor (one throwaway instance);
 - a warm-up (warmup.steps > 0) has a scripted player (``Environment.demo_action``);
 - every split the run reads has rows: data files exist and hold data.input_key and
   data.label_key, or the environment generates the split;
@@ -30,12 +32,11 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from envs.base import Environment
+from envs.base import Environment, EnvSetupError
 from rollout.filters import FILTERS
 from rollout.plugins import get_env_class, load_object, registered_or_dotted
 from config import ConfigError, HomegymConfig
 
-NO_ENV = ("", "none", "null")  # env.name values that mean "no environment" (rollout.manager)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -53,6 +54,11 @@ def _fail(key: str, message: str) -> ConfigError:
     return ConfigError(f"{key}: " + " ".join(message.split()))
 
 
+def _keyed(err: Exception) -> ConfigError:
+    """An error whose message already starts with the key (load_object's, EnvSetupError)."""
+    return ConfigError(" ".join(str(err).split()))
+
+
 def _load(path: str, key: str, registry: Optional[Mapping[str, Any]] = None,
           what: str = "") -> Any:
     """The object at dotted ``path`` (or ``registry[path]``: rollout.plugins.
@@ -62,7 +68,7 @@ def _load(path: str, key: str, registry: Optional[Mapping[str, Any]] = None,
             return registered_or_dotted(path, registry, key, what)
         return load_object(path, key)
     except ValueError as err:  # load_object's own message already names key and path
-        raise ConfigError(" ".join(str(err).split())) from err
+        raise _keyed(err) from err
     except Exception as err:  # the module itself failed on import (SyntaxError, ...)
         raise _fail(key, f"{path!r}: importing it raised {type(err).__name__}: {err}") from err
 
@@ -88,19 +94,23 @@ def _signature(fn: Callable) -> str:
 def check_env(config: HomegymConfig) -> Optional[type[Environment]]:
     """The environment class (None for env.name=none), built once with env.kwargs."""
     env = config.env
-    if env.name in NO_ENV:
+    if not env.enabled:
         return None
     try:
         cls = get_env_class(env.name)
     except ValueError as err:
-        raise ConfigError(" ".join(str(err).split())) from err
+        raise _keyed(err) from err
     except Exception as err:  # the env's module failed on import
         raise _fail("env.name", f"{env.name!r}: importing it raised {type(err).__name__}: "
                     f"{err}") from err
     if inspect.isabstract(cls):
         raise _fail("env.name", f"{env.name!r}: {cls.__name__} leaves abstract methods "
                     f"unimplemented ({', '.join(sorted(cls.__abstractmethods__))})")
-    kwargs = dict(env.kwargs)
+    kwargs = env.init_kwargs
+    try:
+        cls.check_setup(**kwargs)  # e.g. an adapter's package, task name or server
+    except EnvSetupError as err:
+        raise _keyed(err) from err
     try:
         inspect.signature(cls).bind(max_turns=env.max_turns, seed=0, **kwargs)
     except TypeError as err:
@@ -109,6 +119,8 @@ def check_env(config: HomegymConfig) -> Optional[type[Environment]]:
                     ) from err
     try:
         cls(max_turns=env.max_turns, seed=0, **kwargs)
+    except EnvSetupError as err:
+        raise _keyed(err) from err
     except Exception as err:
         raise _fail("env.kwargs", f"{cls.__name__}(max_turns={env.max_turns}, **{kwargs}) "
                     f"raised {type(err).__name__}: {err}") from err
@@ -193,7 +205,7 @@ def check_warmup(config: HomegymConfig, env_cls: Optional[type[Environment]]) ->
 def _splits(config: HomegymConfig) -> list[str]:
     """The splits this run reads."""
     splits = ["train"]
-    evaluates = config.eval.before_and_after or bool(config.eval.interval)
+    evaluates = config.derived.eval_before_and_after or bool(config.eval.interval)
     if evaluates or (config.warmup.steps > 0 and "eval" in config.warmup.splits):
         splits.append("eval")
     return splits
@@ -261,9 +273,11 @@ def _env_columns(config: HomegymConfig, env_cls: Optional[type[Environment]], sp
         raise _fail(key, f"null, and env.name={config.env.name!r} generates no {split} rows; "
                     f"set {key}")
     try:
-        rows = env_cls.dataset(split, **dict(config.env.kwargs))
+        rows = env_cls.dataset(split, **config.env.init_kwargs)
     except NotImplementedError as err:
         raise _fail(key, f"null, and {err}") from err
+    except EnvSetupError as err:
+        raise _keyed(err) from err
     except Exception as err:
         raise _fail("env.kwargs", f"{env_cls.__name__}.dataset({split!r}) raised "
                     f"{type(err).__name__}: {err}") from err
