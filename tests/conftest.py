@@ -532,3 +532,39 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr.write_line("ten slowest tests (setup + call + teardown):")
     for nodeid, seconds in sorted(_durations.items(), key=lambda kv: -kv[1])[:10]:
         tr.write_line(f"  {seconds:7.1f} s  {nodeid}")
+
+
+@pytest.fixture(scope="session")
+@starts_processes
+def openenv_echo_server(tmp_path_factory):
+    """The URL of tests/openenv_echo_server.py (an openenv-core environment served with
+    uvicorn) in a process of its own, killed at the end of the session."""
+    import signal
+    import subprocess
+    import sys
+
+    import requests
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("openenv") / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "openenv_echo_server.py"),
+                                 str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        if proc.poll() is not None:
+            pytest.fail(f"the OpenEnv server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            return requests.get(f"{url}/health", timeout=2).ok
+        except requests.ConnectionError:
+            return False
+
+    try:
+        # Importing openenv-core's server imports gradio: slow on a loaded box.
+        wait_for(healthy, timeout_s=300, what="the OpenEnv server's /health", interval_s=0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
