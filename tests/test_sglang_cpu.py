@@ -283,6 +283,15 @@ def test_default_recipe_trains_colocated_on_real_sglang(tmp_path):
 
 # ---- Qwen3.5 (hybrid: Gated DeltaNet + gated attention) --------------------------------
 
+# Opt-in until it has passed once on an AVX-512 + AMX CPU: it has never run anywhere (the
+# machines it was written on are AVX2 only). SGLang 0.5.18 has a CPU path for Qwen3.5 (its
+# sgl_kernel ops for the GDN conv, chunked and recurrent rule, gated norm and fused input
+# projection are all in the kernel wheel this tier installs), but whether the mamba state
+# pool and radix cache, homegym's AMX re-pack loaders on the GDN's fused projections and
+# conv, and the flush behave on the CPU backend is read from source, not seen.
+HYBRID_OPT_IN = "HOMEGYM_SGLANG_HYBRID_CPU"
+
+
 @pytest.fixture(scope="module")
 def q35_group(ray_local, tiny_qwen3_5_path, tmp_path_factory):
     g = components.engine_group(sglang_config("model.path=tiny-qwen3_5"),
@@ -292,6 +301,10 @@ def q35_group(ray_local, tiny_qwen3_5_path, tmp_path_factory):
     g.shutdown()
 
 
+@pytest.mark.skipif(os.environ.get(HYBRID_OPT_IN) != "1", reason=(
+    f"set {HYBRID_OPT_IN}=1 to run: Qwen3.5 on SGLang-CPU has never run on an AVX-512/AMX "
+    "CPU; unknown whether SGLang 0.5.18's CPU backend serves its state pool, radix-cache "
+    "reuse, re-packed weight pushes and flush as this test asserts"))
 def test_qwen3_5_serves_text_only_with_its_state_pool_and_is_flushed_after_a_push(
         q35_group, tiny_qwen3_5_path):
     """tiny-qwen3_5 (the vision-language checkpoint layout) on the real server: started
