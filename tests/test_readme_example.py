@@ -1,6 +1,6 @@
-"""The README's "Writing an environment and a reward" example, exactly as printed: its code
-block saved as mypkg/envs.py and its command run (with small-run overrides appended), so
-the README and the program cannot drift apart."""
+"""The README's first way to bring an environment (homegym's own ``Environment``), exactly
+as printed: its code block saved as mypkg/envs.py and its command run (with small-run
+overrides appended), so the README and the program cannot drift apart."""
 
 import os
 import re
@@ -12,8 +12,8 @@ from conftest import REPO, compose_config, run_main
 
 
 def _readme_example() -> tuple[str, list[str]]:
-    section = REPO.joinpath("README.md").read_text().split("## Writing an environment and a reward", 1)[1]
-    section = section.split("\n## ", 1)[0]
+    section = REPO.joinpath("README.md").read_text().split("## Bringing an environment", 1)[1]
+    section = section.split("**1. ", 1)[1].split("**2. ", 1)[0]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     command = next(line.strip() for line in section.splitlines()
                    if line.strip().startswith("python -m trainer.main"))
