@@ -2,7 +2,8 @@
 client code with a ``guess`` tool, called over several turns, scoring itself.
 
     python -m examples.guess_agent guesses.jsonl      # writes 200 rows {messages, label}
-    python -m trainer.main env=custom rollout.agent.function=examples.guess_agent:guess_agent \\
+    python -m trainer.main env=custom model=tiny_qwen3_tools \\
+        rollout.agent.function=examples.guess_agent:guess_agent \\
         data.path=guesses.jsonl
 
 homegym hands ``guess_agent`` an ``openai.AsyncOpenAI`` whose base URL is the episode's
