@@ -435,6 +435,34 @@ def test_prefill_chunks_by_uncached_length(ref_model):
     assert b.prefix_cache.pop_longest(reqs[0].input_ids) is None
 
 
+def test_lean_forward_prefills_uncached_prompts_of_any_length_together(tiny_model_path):
+    """The lean forward runs uncached prompts packed (per-row attention, no matmul work on
+    padding): mixed lengths share one prefill, split only by the token budget; prompts
+    over a cached prefix keep the length rule (their attention runs padded)."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout.engines.hf import fast_kernels
+    from rollout.engines.hf.batcher import Batcher, Request
+
+    fast = AutoModelForCausalLM.from_pretrained(
+        tiny_model_path, attn_implementation=fast_kernels.register()).eval()
+    b = Batcher(fast, None, set(), 1024, prefix_cache_bytes=1 << 20)
+    assert b._lean is not None
+    lengths = [110, 12, 3, 60, 12]
+    reqs = [Request(rid=str(i), input_ids=[7] * n, max_new_tokens=1) for i, n in enumerate(lengths)]
+    assert [len(c) for c in b._prefill_chunks(reqs)] == [5]
+    b.prefill_token_budget = 100  # sorted 3, 12, 12, 60 | 110
+    assert [[len(r.input_ids) for r in c] for c in b._prefill_chunks(reqs)] == [
+        [3, 12, 12, 60], [110]]
+    b.prefill_token_budget = 8192
+    b.prefix_cache.put(tuple([4] * 100), [(torch.zeros(2, 100, 32), torch.zeros(2, 100, 32))] * 4)
+    cont = Request(rid="c", input_ids=[4] * 100 + [5] * 90, max_new_tokens=1)
+    short = Request(rid="s", input_ids=[4] * 50 + [6] * 5, max_new_tokens=1)
+    b.prefix_cache.put(tuple([4] * 50), [(torch.zeros(2, 50, 32), torch.zeros(2, 50, 32))] * 4)
+    chunks = b._prefill_chunks(reqs + [cont, short])
+    assert [len(c) for c in chunks] == [5, 1, 1]  # 5 vs 90 new tokens over a past: split
+
+
 @torch.no_grad()
 def test_a_forming_wave_takes_its_stragglers_before_decoding(ref_model):
     """Requests that arrive while a just-prefilled batch has not decoded yet join it before

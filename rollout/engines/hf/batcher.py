@@ -462,22 +462,37 @@ class Batcher:
         half the work. Sorted greedy chunks keep padding under ~20% (and bound the size of
         one prefill's attention tensors). The length that counts is what will be computed:
         a later turn of an episode brings its cached prefix, so a turn's wave of requests
-        (different conversation lengths, similar new tokens) stays one prefill."""
+        (different conversation lengths, similar new tokens) stays one prefill.
+
+        The lean forward runs uncached prompts packed, with per-row causal attention:
+        there padding costs no matmul or attention work, and splitting by length would
+        only multiply the per-forward overhead, so they share a chunk up to the token
+        budget (and a bound on the padded K/V they are unpacked into)."""
         new = {id(r): len(r.input_ids) - self.prefix_cache.cached_len(r.input_ids)
                for r in reqs}
         reqs = sorted(reqs, key=lambda r: new[id(r)])
-        chunks, cur, cur_tokens = [], [], 0
-        for r in reqs:
-            n = new[id(r)]  # the longest so far: sorted ascending
-            if cur and (n * (len(cur) + 1) > 1.2 * (cur_tokens + n) + 16
-                        or n * (len(cur) + 1) > self.prefill_token_budget):
-                chunks.append(cur)
-                cur, cur_tokens = [], 0
-            cur.append(r)
-            cur_tokens += n
-        if cur:
-            chunks.append(cur)
-        return chunks
+        budget = self.prefill_token_budget
+
+        def greedy(rs: list[Request], fits: Callable[[int, int, int], bool]):
+            # fits(longest new length, rows, new tokens) of a chunk; rs sorted ascending.
+            out, cur, tokens = [], [], 0
+            for r in rs:
+                n = new[id(r)]
+                if cur and not fits(n, len(cur) + 1, tokens + n):
+                    out.append(cur)
+                    cur, tokens = [], 0
+                cur.append(r)
+                tokens += n
+            return out + [cur] if cur else out
+
+        chunks = []
+        if self._lean is not None and not self._hybrid:
+            fresh = [r for r in reqs if new[id(r)] == len(r.input_ids)]
+            reqs = [r for r in reqs if new[id(r)] != len(r.input_ids)]
+            chunks = greedy(fresh, lambda n, rows, tokens: tokens <= budget
+                            and n * rows <= 4 * budget)
+        return chunks + greedy(reqs, lambda n, rows, tokens: n * rows <= 1.2 * tokens + 16
+                               and n * rows <= budget)
 
     def _prefill(self, reqs: list[Request]) -> None:
         """One forward over the chunk's uncached prompt tokens. A row whose prompt starts
