@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, clean_env, fake_run_dir, run_group
-from trainer.eval import _label, evaluate_models, write_results
+from trainer.eval import _label, write_results
 
 SMALL = ["rollout.num_engines=1", "eval.n_samples_per_prompt=1", "eval.greedy=false",
          "logging.wandb_mode=disabled"]
@@ -49,43 +49,45 @@ def test_write_results_table(tmp_path):
 
 
 @pytest.mark.slow
-def test_base_vs_checkpoint_side_by_side(ray_local, tmp_path, tiny_model_path):
-    """Each model is evaluated with its own weights on the same, paired games."""
+def test_eval_cli_plays_base_and_checkpoint_side_by_side(tmp_path, tiny_model_path, ray_address):
+    """``python -m trainer.eval checkpoint=<run> compare=base`` (joining the session's Ray
+    instance): each model is evaluated with its own weights on the same, paired games,
+    and the table, eval.json and per-sample rows are written; a checkpoint that does not
+    exist is a one-line error, exit 2."""
     run = _fake_run(tmp_path, tiny_model_path, perturb=True)
-    results = evaluate_models(["base", str(run)], [*SMALL, "eval.greedy=true"], quiet=True)
-    assert list(results) == ["base", "run/step_000003"]
-    base, ckpt = results.values()
-    assert base["model_path"] == "tiny-qwen3" and ckpt["model_path"].endswith("step_000003/hf")
-    for r in (base, ckpt):
-        # The 10 even targets, one sampled and one greedy game each.
-        assert len(r["rows"]) == 20
-        for prefix in ("eval", "eval_greedy"):
-            rewards = [row["reward"] for row in r["rows"] if row["pass"] == prefix]
-            assert len(rewards) == 10
-            assert r["metrics"][f"{prefix}/raw_reward"] == pytest.approx(sum(rewards) / 10)
-            for key in ("success_rate", "mean_turns", "format_error_rate"):
-                assert f"{prefix}/{key}" in r["metrics"], sorted(r["metrics"])
-    # Side by side: the same games in the same order for both models...
-    key = [(row["pass"], row["group"], json.dumps(row["label"])) for row in base["rows"]]
-    assert key == [(row["pass"], row["group"], json.dumps(row["label"])) for row in ckpt["rows"]]
-    # ...played by different policies. Greedy games and sampled ones (eval.seed pairs the
-    # draws: the same seed per game for both models) would be identical had the checkpoint's
-    # weights not been the ones evaluated.
-    assert [row["response"] for row in base["rows"]] != [row["response"] for row in ckpt["rows"]]
-
-
-@pytest.mark.slow
-def test_eval_cli(tmp_path, tiny_model_path):
-    run = _fake_run(tmp_path, tiny_model_path)
     out = tmp_path / "cmp" / "table.md"
-    env = clean_env()
+    env = dict(clean_env(), RAY_ADDRESS=ray_address)
     proc = run_group([sys.executable, "-m", "trainer.eval", "+recipe=number_guess_cpu",
-                      f"checkpoint={run}", "compare=base", f"out={out}", *SMALL],
+                      f"checkpoint={run}", "compare=base", f"out={out}",
+                      *[o for o in SMALL if not o.startswith("eval.greedy=")], "eval.greedy=true"],
                      cwd=REPO, env=env, timeout_s=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     table = out.read_text()
     assert table.count("\n") == 4 and "| base |" in table
-    assert set(json.loads((out.parent / "eval.json").read_text())) >= {"base"}
+    evals = json.loads((out.parent / "eval.json").read_text())
+    assert list(evals) == ["run/step_000003", "base"]
+    ckpt, base = evals["run/step_000003"], evals["base"]
+    assert base["model_path"] == "tiny-qwen3" and ckpt["model_path"].endswith("step_000003/hf")
+    rows = {}
+    for label, path in (("run/step_000003", "0_run_step_000003.jsonl"), ("base", "1_base.jsonl")):
+        rows[label] = [json.loads(line) for line in (out.parent / path).read_text().splitlines()]
+        # The 10 even targets, one sampled and one greedy game each.
+        assert len(rows[label]) == 20
+        for prefix in ("eval", "eval_greedy"):
+            rewards = [row["reward"] for row in rows[label] if row["pass"] == prefix]
+            assert len(rewards) == 10
+            assert evals[label]["metrics"][f"{prefix}/raw_reward"] == pytest.approx(sum(rewards) / 10)
+            for key in ("success_rate", "mean_turns", "format_error_rate"):
+                assert f"{prefix}/{key}" in evals[label]["metrics"], sorted(evals[label]["metrics"])
+    # Side by side: the same games in the same order for both models...
+    key = [(row["pass"], row["group"], json.dumps(row["label"])) for row in rows["base"]]
+    assert key == [(row["pass"], row["group"], json.dumps(row["label"]))
+                   for row in rows["run/step_000003"]]
+    # ...played by different policies. Greedy games and sampled ones (eval.seed pairs the
+    # draws: the same seed per game for both models) would be identical had the checkpoint's
+    # weights not been the ones evaluated.
+    assert [row["response"] for row in rows["base"]] != \
+        [row["response"] for row in rows["run/step_000003"]]
     bad = run_group([sys.executable, "-m", "trainer.eval", f"checkpoint={tmp_path}/none"],
                     cwd=REPO, env=env, timeout_s=120)
     assert bad.returncode == 2 and "checkpoint=" in bad.stderr

@@ -92,47 +92,6 @@ def test_weight_sync_round_trip(ray_local, tiny_model_path):
         engines.shutdown()
 
 
-def test_short_run_learns_something_and_writes_its_run_dir(tmp_path, tiny_model_path):
-    run = run_main(tmp_path, *SHORT, "train.num_steps=3", "train.save_interval=1",
-                   run_name="short")
-    steps = [r for r in run.metrics if "rollout/raw_reward" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3]
-    for r in steps:
-        assert math.isfinite(r["rollout/raw_reward"]) and r["perf/weight_sync_bytes"] > 0
-    # A step whose rewards are all equal has no advantage to train on (skipped); steps 2-3
-    # must have had a signal, or the comparison below would not involve RL.
-    trained = [r for r in steps if "mismatch/logprob_abs_diff" in r]  # samples ran
-    assert all(math.isfinite(r["train/pg_loss"]) for r in trained)
-    assert {r["step"] for r in trained} & {2, 3}, [r.get("train/skipped_samples") for r in steps]
-    # The train/rollout mismatch, every step that trained: fp32 engines and trainer agree
-    # to float rounding, and the colocated loop is never stale.
-    for r in trained:
-        assert r["mismatch/logprob_abs_diff"] < 1e-4 and r["mismatch/k3_kl"] < 1e-6
-        assert 0.999 < r["mismatch/token_ratio_p1"] <= r["mismatch/token_ratio_p99"] < 1.001
-        assert r["mismatch/seq_ratio_max"] < 1.01 and r["mismatch/staleness_max"] == 0
-    assert "step 3/3" in run.output and " | gap " in run.output
-    ckpts = run.run_dir / "checkpoints"
-    exported = {s: load_file(str(ckpts / f"step_{s:06d}" / "hf" / "model.safetensors"))
-                for s in (1, 3)}
-    base = load_file(os.path.join(tiny_model_path, "model.safetensors"))
-    assert set(exported[3]) <= set(base)
-    # The RL updates themselves moved the policy, not only the warm-up's SFT before them:
-    # the export after step 3 differs from the one after step 1 (both past the warm-up).
-    assert any(not torch.equal(exported[3][k], exported[1][k]) for k in exported[3])
-    assert (ckpts / "latest").resolve().name == "step_000003"
-    table = (run.run_dir / "eval_table.md").read_text()
-    assert "| base |" in table and "| trained |" in table
-    printed = [line for line in run.output.splitlines() if line.startswith("| ")]
-    assert any(line.startswith("| trained ") for line in printed)
-    assert max(len(line) for line in printed) <= 100  # the console's table fits a terminal
-    from PIL import Image
-
-    with Image.open(run.run_dir / "curves.png") as png:  # reward, success, evals per step
-        assert png.format == "PNG"
-        png.verify()
-    assert (run.run_dir / "config.yaml").exists() and list((run.run_dir / "wandb").glob("offline-run-*"))
-
-
 def expected_data_order(config, num_steps):
     """The group labels each step trains on, straight from the data source."""
     from transformers import AutoTokenizer
@@ -145,9 +104,15 @@ def expected_data_order(config, num_steps):
             for _ in range(num_steps)]
 
 
-def test_resume_after_kill_continues_the_same_run(tmp_path):
+def test_a_killed_run_resumes_the_same_run_which_learns_and_writes_its_run_dir(tmp_path,
+                                                                              tiny_model_path):
+    """A short run (warm-up, evaluation before and after, a checkpoint per step) is killed
+    whole (SIGKILL to its process group) once its second checkpoint is complete, then
+    started again with the same command: it resumes the same run (same wandb run, the data
+    order continued exactly) and the run as a whole learned something and left a complete
+    run directory (checkpoints, evaluation table, curves, config, offline wandb)."""
     out = tmp_path / "out"
-    overrides = ["train.num_steps=4", "train.save_interval=1", "eval.before_and_after=false"]
+    overrides = ["train.num_steps=4", "train.save_interval=1"]
     run = out / "killed"
     proc = subprocess.Popen(main_cmd(*overrides, "logging.run_name=killed", f"logging.output_dir={out}",
                                      "logging.wandb_mode=offline"),
@@ -165,16 +130,56 @@ def test_resume_after_kill_continues_the_same_run(tmp_path):
     wandb_id = (run / "wandb_id.txt").read_text()
     done = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
     last = int(done[-1].split("_")[1])
+    assert last < 4, "the run finished before it was killed"
 
     resumed = run_main(tmp_path, *SHORT, *overrides, run_name="killed")
     assert f"at step {last}" in resumed.output
     assert (run / "wandb_id.txt").read_text() == wandb_id  # same wandb run, resumed
-    steps = [r["step"] for r in resumed.metrics if "rollout/raw_reward" in r]
-    assert steps[-(4 - last):] == list(range(last + 1, 5))
+    rows = [r for r in resumed.metrics if "rollout/raw_reward" in r]  # both launches
+    assert [r["step"] for r in rows][-(4 - last):] == list(range(last + 1, 5))
+    assert {r["step"] for r in rows} == {1, 2, 3, 4}
     # Identical data order: the last record of each step matches the data source's order.
     order = {r["step"]: r["labels"] for r in read_jsonl(run / "data_order.jsonl")}
     config = compose_config(*SHORT, *overrides)
     assert [order[s] for s in range(1, 5)] == expected_data_order(config, 4)
+
+    # The run as a whole.
+    for r in rows:
+        assert math.isfinite(r["rollout/raw_reward"]) and r["perf/weight_sync_bytes"] > 0
+    # A step whose rewards are all equal has no advantage to train on (skipped); some
+    # step after the first must have had a signal, or the comparison below would not
+    # involve RL.
+    trained = [r for r in rows if "mismatch/logprob_abs_diff" in r]  # samples ran
+    assert all(math.isfinite(r["train/pg_loss"]) for r in trained)
+    assert {r["step"] for r in trained} & {2, 3, 4}, [r.get("train/skipped_samples") for r in rows]
+    # The train/rollout mismatch, every step that trained: fp32 engines and trainer agree
+    # to float rounding, and the colocated loop is never stale (resumed steps included).
+    for r in trained:
+        assert r["mismatch/logprob_abs_diff"] < 1e-4 and r["mismatch/k3_kl"] < 1e-6
+        assert 0.999 < r["mismatch/token_ratio_p1"] <= r["mismatch/token_ratio_p99"] < 1.001
+        assert r["mismatch/seq_ratio_max"] < 1.01 and r["mismatch/staleness_max"] == 0
+    assert "step 4/4" in resumed.output and " | gap " in resumed.output
+    ckpts = run / "checkpoints"
+    exported = {s: load_file(str(ckpts / f"step_{s:06d}" / "hf" / "model.safetensors"))
+                for s in (1, 4)}
+    base = load_file(os.path.join(tiny_model_path, "model.safetensors"))
+    assert set(exported[4]) <= set(base)
+    # The RL updates themselves moved the policy, not only the warm-up's SFT before them:
+    # the export after step 4 differs from the one after step 1 (both past the warm-up).
+    assert any(not torch.equal(exported[4][k], exported[1][k]) for k in exported[4])
+    assert (ckpts / "latest").resolve().name == "step_000004"
+    # The evaluations before (first launch, kept in its checkpoints) and after (second).
+    table = (run / "eval_table.md").read_text()
+    assert "| base |" in table and "| trained |" in table
+    printed = [line for line in resumed.output.splitlines() if line.startswith("| ")]
+    assert any(line.startswith("| trained ") for line in printed)
+    assert max(len(line) for line in printed) <= 100  # the console's table fits a terminal
+    from PIL import Image
+
+    with Image.open(run / "curves.png") as png:  # reward, success, evals per step
+        assert png.format == "PNG"
+        png.verify()
+    assert (run / "config.yaml").exists() and list((run / "wandb").glob("offline-run-*"))
 
 
 class _Spy:

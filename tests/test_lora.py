@@ -216,7 +216,8 @@ def test_lora_save_load_round_trip_two_ranks(ray_local, tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_run_end_to_end_checkpoint_serves_and_evaluates(ray_local, tmp_path, tiny_model_path):
+def test_lora_run_end_to_end_checkpoint_serves_and_evaluates(ray_local, ray_address, tmp_path,
+                                                             tiny_model_path):
     """`trainer.main train.lora.rank=8`: it trains, pushes merged weights, checkpoints the
     adapter (peft) and the merged export, and eval/serve load that checkpoint."""
     from peft import PeftModel
@@ -228,7 +229,8 @@ def test_lora_run_end_to_end_checkpoint_serves_and_evaluates(ray_local, tmp_path
     run = run_main(tmp_path, "train.lora.rank=8", "train.num_steps=2", "warmup.steps=2",
                    "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4",
                    "train.ranks_per_node=1", "rollout.num_engines=1", "eval.n_samples_per_prompt=1",
-                   "eval.before_and_after=false", "train.save_interval=null", timeout_s=400)
+                   "eval.before_and_after=false", "train.save_interval=null", timeout_s=400,
+                   ray_address=ray_address)
     steps = [m for m in run.metrics if "rollout/raw_reward" in m]
     assert [m["step"] for m in steps] == [1, 2], run.output[-2000:]
     assert all(m["perf/weight_sync_bytes"] > 0 for m in steps)

@@ -529,17 +529,20 @@ def test_manager_runs_agents_and_fails_the_ones_that_raise(router):
 
 
 @pytest.mark.slow
-def test_calculator_agent_trains_end_to_end(tmp_path):
+def test_calculator_agent_trains_end_to_end(tmp_path, ray_address):
     """The recipe's whole path for a few steps: warm-up transcripts played by the agent
     against the scripted player, then GRPO steps whose rollouts are the agent's sessions
     on the real engine and router."""
     from conftest import run_main
 
-    run = run_main(tmp_path, "+recipe=calculator_agent_cpu", "warmup.steps=20",
+    # A short warm-up: the claim is the path (transcripts, then agent sessions trained on),
+    # not that the warm-up taught the model (docs/agents.md measures that).
+    run = run_main(tmp_path, "+recipe=calculator_agent_cpu", "warmup.steps=4",
                    "warmup.batch_size=16", "train.num_steps=2", "rollout.rollout_batch_size=2",
                    "rollout.n_samples_per_prompt=4", "rollout.num_engines=1",
-                   "+env.kwargs.size=64", "eval.before_and_after=false", timeout_s=400)
-    assert "warm-up: 320 scripted transcripts" in run.output
+                   "+env.kwargs.size=64", "eval.before_and_after=false", timeout_s=400,
+                   ray_address=ray_address)
+    assert "warm-up: 64 scripted transcripts" in run.output
     steps = [r for r in run.metrics if "rollout/agent/calls" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
