@@ -1,0 +1,156 @@
+"""Where the CPU engine's time goes on bench_engine.py's workloads, through the real router.
+
+    .venv/bin/python scripts/profile_engine.py [--model tiny-qwen3] [--runs 5] [--rate 250]
+
+Starts one engine server and the router as bench_engine.py does, warms up, then runs its
+burst (64 prompts x 32 new tokens) and its multi-turn RL shape (64 episodes x 8 turns)
+``--runs`` times each. For each workload it prints the wall time per run, the CPU seconds
+per run of the engine process, the router process and this client, the engine's own
+prefill/decode seconds (``/server_info``), and a breakdown of the engine process's
+samples from py-spy (``pip install py-spy``, the ``bench`` extra; ``--rate 0`` skips it):
+the forward pass by part, the scheduler's work outside it, and the HTTP thread's.
+py-spy counts samples of running (non-idle) threads, so the shares are of the engine's
+CPU work, the scheduler thread and the HTTP thread together. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from bench_engine import make_prompts, run_engine, run_multiturn  # noqa: E402
+
+# First match wins, in this order: (substring of a frame, part). Forward parts are looked
+# for only under the engine's forward call, the rest under the scheduler thread's loop.
+FORWARD = (("_logits (", "LM head"), ("causal_attention", "prefill attention, per row"),
+           ("gqa_attention_forward", "attention"), ("_linear (", "linear layers"),
+           ("_norm (", "RMSNorm"), ("rope_", "RoPE"), ("rotary_emb", "rotary cos/sin"),
+           ("update (", "KV write"), ("_unpack", "unpacking K/V"), ("_mask (", "mask"),
+           ("embed", "embedding"))
+SCHEDULER = (("_sample", "sampling"), ("_append_tokens", "token bookkeeping, finishing"),
+             ("_store_prefix", "prefix cache: store"), ("pop_longest", "prefix cache: lookup"),
+             ("cached_len", "prefix cache: lookup"), ("_prefill_chunks", "prefill chunking"),
+             ("_merge", "merging rows into the batch KV"), ("_keep_rows", "dropping rows"),
+             ("_prefill (", "prefill inputs and cached pasts"), ("_decode (", "decode step glue"),
+             ("_run_controls", "control commands"))
+HTTP = (("_text (", "detokenize"), ("_format (", "format response"),
+        ("_prompt_ids", "validate input_ids"), ("_sampling (", "sampling params"),
+        ("_body (", "read + parse JSON"), ("_json (", "write JSON"),
+        ("_settle_finished", "wake finished requests"), ("generate (", "generate handler, other"))
+
+
+def part(stack: str) -> str:
+    if "._loop (rollout/engines/hf/batcher.py" in stack:  # the scheduler thread
+        if "._forward (rollout/engines/hf/batcher.py" in stack:
+            return "forward: " + next((name for key, name in FORWARD if key in stack),
+                                      "other ops and glue")
+        return "scheduler: " + next((name for key, name in SCHEDULER if key in stack), "loop")
+    return "HTTP thread: " + next((name for key, name in HTTP if key in stack),
+                                  "aiohttp + asyncio")
+
+
+def breakdown(raw_path: str) -> list[tuple[str, float]]:
+    counts: collections.Counter = collections.Counter()
+    with open(raw_path) as f:
+        for line in f:
+            stack, _, n = line.rstrip().rpartition(" ")
+            if stack and n.isdigit():
+                counts[part(stack)] += int(n)
+    total = sum(counts.values()) or 1
+    return [(k, 100.0 * v / total) for k, v in counts.most_common()]
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and its descendants that are still running."""
+    tick = os.sysconf("SC_CLK_TCK")
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    total = (int(fields[11]) + int(fields[12])) / tick
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            total += sum(cpu_seconds(int(c)) for c in f.read().split())
+    except OSError:
+        pass
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny-qwen3")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--rate", type=int, default=250, help="py-spy samples/s (0 = no py-spy)")
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoConfig
+
+    from rollout.engines import EngineServer, HFLaunch, Router
+    from rollout.models import resolve_model_path
+
+    torch.set_num_threads(1)
+    path = resolve_model_path(args.model)
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    prompts = make_prompts(64, vocab, 8, 160)
+    spy_bin = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if args.rate and not os.path.exists(spy_bin):
+        sys.exit("py-spy not found: pip install py-spy (or --rate 0)")
+    workloads = {"burst, 64 x 32 tokens": lambda url: run_engine(url, prompts, 32),
+                 "multi-turn, 64 episodes x 8 turns": lambda url: run_multiturn(url, 64, 8, vocab)}
+    engine = EngineServer(HFLaunch(model_path=path, max_context_len=4096), "profile0")
+    router = Router(tokenizer_path=path)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            router.start([engine.start()])
+            epid, rpid = engine.pid(), router.proc.pid
+            asyncio.run(run_engine(router.url, prompts, 32))  # warm-up
+            for name, job in workloads.items():
+                raw = os.path.join(tmp, "raw.txt")
+                spy = None
+                if args.rate:
+                    spy = subprocess.Popen(
+                        [spy_bin, "record", "-p", str(epid), "-r", str(args.rate), "-f", "raw",
+                         "-o", raw, "--threads", "--nonblocking"],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    time.sleep(1.0)  # py-spy attaches
+                info0 = engine.client.server_info()
+                cpu0 = (cpu_seconds(epid), cpu_seconds(rpid), time.process_time())
+                walls = []
+                for _ in range(args.runs):
+                    t0 = time.perf_counter()
+                    asyncio.run(job(router.url))
+                    walls.append(time.perf_counter() - t0)
+                cpu1 = (cpu_seconds(epid), cpu_seconds(rpid), time.process_time())
+                info1 = engine.client.server_info()
+                n = args.runs
+                e, r, c = ((b - a) / n for a, b in zip(cpu0, cpu1))
+                print(f"{name}: wall per run min {min(walls):.3f} s, median "
+                      f"{statistics.median(walls):.3f} s; CPU s per run: engine {e:.3f}, "
+                      f"router {r:.3f}, client {c:.3f}")
+                print("  engine's own: " + ", ".join(
+                    f"{k} {(info1[k] - info0[k]) / n:.3f}"
+                    for k in ("prefills", "prefill_s", "decode_steps", "decode_s")) + " per run")
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)
+                    spy.wait(60)
+                    for label, share in breakdown(raw):
+                        print(f"  {share:5.1f}%  {label}")
+        finally:
+            router.shutdown()
+            engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
