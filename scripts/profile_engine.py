@@ -1,6 +1,7 @@
 """Where the CPU engine's time goes on bench_engine.py's workloads, through the real router.
 
     .venv/bin/python scripts/profile_engine.py [--model tiny-qwen3] [--runs 5] [--rate 250]
+        [--in-process]
 
 Starts one engine server and the router as bench_engine.py does, warms up, then runs its
 burst (64 prompts x 32 new tokens) and its multi-turn RL shape (64 episodes x 8 turns)
@@ -10,7 +11,10 @@ prefill/decode seconds (``/server_info``), and a breakdown of the engine process
 samples from py-spy (``pip install py-spy``, the ``bench`` extra; ``--rate 0`` skips it):
 the forward pass by part, the scheduler's work outside it, and the HTTP thread's.
 py-spy counts samples of running (non-idle) threads, so the shares are of the engine's
-CPU work, the scheduler thread and the HTTP thread together. Not a test.
+CPU work, the scheduler thread and the HTTP thread together. ``--in-process`` runs the
+burst straight into the engine's scheduler (the Batcher) in this process instead, with no
+HTTP, router or client, and profiles that: the scheduler's share outside the forward pass
+without the serving path around it. Not a test.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def part(stack: str) -> str:
                                       "other ops and glue")
         return "scheduler: " + next((name for key, name in SCHEDULER if key in stack), "loop")
     return "HTTP thread: " + next((name for key, name in HTTP if key in stack),
-                                  "aiohttp + asyncio")
+                                  "aiohttp + asyncio (or another thread)")
 
 
 def breakdown(raw_path: str) -> list[tuple[str, float]]:
@@ -87,11 +91,66 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def spy(spy_bin: str, pid: int, rate: int, raw: str) -> subprocess.Popen:
+    proc = subprocess.Popen([spy_bin, "record", "-p", str(pid), "-r", str(rate), "-f", "raw",
+                             "-o", raw, "--threads", "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # py-spy attaches
+    return proc
+
+
+def report(proc: subprocess.Popen, raw: str) -> None:
+    proc.send_signal(signal.SIGINT)
+    proc.wait(60)
+    for label, share in breakdown(raw):
+        print(f"  {share:5.1f}%  {label}")
+
+
+def in_process(path: str, prompts, runs: int, spy_bin: str, rate: int, tmp: str) -> None:
+    """The burst submitted straight to a Batcher in this process, profiled."""
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    from rollout.engines.hf import fast_kernels
+    from rollout.engines.hf.batcher import Batcher, Request
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation=fast_kernels.register()).eval()
+    batcher = Batcher(model, None, set(), 4096)
+    batcher.start()
+
+    def burst() -> None:
+        left = threading.Semaphore(0)
+        for i, p in enumerate(prompts):
+            batcher.submit(Request(rid=str(i), input_ids=p, max_new_tokens=32, ignore_eos=True,
+                                   return_logprob=True, on_done=lambda r: left.release()))
+        for _ in prompts:
+            left.acquire()
+
+    burst()  # warm-up
+    raw = os.path.join(tmp, "raw.txt")
+    proc = spy(spy_bin, os.getpid(), rate, raw) if rate else None
+    walls, c0 = [], time.process_time()
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        burst()
+        walls.append(time.perf_counter() - t0)
+    print(f"burst in process, no HTTP: wall per run min {min(walls):.3f} s, median "
+          f"{statistics.median(walls):.3f} s; CPU s per run {(time.process_time() - c0) / runs:.3f}")
+    batcher.stop()
+    batcher.thread.join(5)
+    if proc is not None:
+        report(proc, raw)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-qwen3")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples/s (0 = no py-spy)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="the burst straight into the scheduler, no server (see above)")
     args = ap.parse_args()
 
     import torch
@@ -107,6 +166,10 @@ def main() -> None:
     spy_bin = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     if args.rate and not os.path.exists(spy_bin):
         sys.exit("py-spy not found: pip install py-spy (or --rate 0)")
+    if args.in_process:
+        with tempfile.TemporaryDirectory() as tmp:
+            in_process(path, prompts, args.runs, spy_bin, args.rate, tmp)
+        return
     workloads = {"burst, 64 x 32 tokens": lambda url: run_engine(url, prompts, 32),
                  "multi-turn, 64 episodes x 8 turns": lambda url: run_multiturn(url, 64, 8, vocab)}
     engine = EngineServer(HFLaunch(model_path=path, max_context_len=4096), "profile0")
@@ -118,13 +181,7 @@ def main() -> None:
             asyncio.run(run_engine(router.url, prompts, 32))  # warm-up
             for name, job in workloads.items():
                 raw = os.path.join(tmp, "raw.txt")
-                spy = None
-                if args.rate:
-                    spy = subprocess.Popen(
-                        [spy_bin, "record", "-p", str(epid), "-r", str(args.rate), "-f", "raw",
-                         "-o", raw, "--threads", "--nonblocking"],
-                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    time.sleep(1.0)  # py-spy attaches
+                proc = spy(spy_bin, epid, args.rate, raw) if args.rate else None
                 info0 = engine.client.server_info()
                 cpu0 = (cpu_seconds(epid), cpu_seconds(rpid), time.process_time())
                 walls = []
@@ -142,11 +199,8 @@ def main() -> None:
                 print("  engine's own: " + ", ".join(
                     f"{k} {(info1[k] - info0[k]) / n:.3f}"
                     for k in ("prefills", "prefill_s", "decode_steps", "decode_s")) + " per run")
-                if spy is not None:
-                    spy.send_signal(signal.SIGINT)
-                    spy.wait(60)
-                    for label, share in breakdown(raw):
-                        print(f"  {share:5.1f}%  {label}")
+                if proc is not None:
+                    report(proc, raw)
         finally:
             router.shutdown()
             engine.shutdown()
