@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from conftest import REPO, clean_env, compose_config, main_exit
+from config import ConfigError
 
 # Seconds a check may take on a loaded 2-core box (about 1 s unloaded); Ray and the
 # engines alone take longer than this to start.
@@ -308,3 +309,24 @@ def test_what_an_engine_cannot_serve_for_a_hybrid_model_is_refused(tmp_path, tin
     preflight(compose_config("model.path=tiny-qwen3_5", "cluster.colocate=false",
                              "rollout.update_in_flight=abort"))
     preflight(compose_config("cluster.colocate=false"))  # a dense model keeps the default
+
+
+@pytest.mark.subprocess
+def test_qwen_8b_without_transformer_engine_stops_before_anything_starts(tmp_path):
+    """qwen_8b trains with train.sequence_parallel=true, which Megatron's local spec
+    refuses; without Transformer Engine (none imports here) the run stops at start-up,
+    before the memory plan, Ray or any engine, naming the key and the fix."""
+    run = main_exit(tmp_path, "+recipe=qwen_8b")
+    _assert_one_line_error(run, "train.sequence_parallel", "needs Transformer Engine")
+    assert "'.[te]'" in run.stderr and "train.sequence_parallel=false" in run.stderr
+    assert "memory plan" not in run.stdout + run.stderr
+
+
+def test_sequence_parallel_on_cpu_megatron_is_refused():
+    from trainer.driver.preflight import check_backend
+
+    config = compose_config("train.backend=megatron", "train.ranks_per_node=2",
+                            "train.tensor_model_parallel_size=2", "train.sequence_parallel=true")
+    with pytest.raises(ConfigError, match=r"^train\.sequence_parallel: true needs"):
+        check_backend(config)
+    check_backend(compose_config("train.backend=megatron"))  # no sequence parallelism: fine

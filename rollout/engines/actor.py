@@ -160,6 +160,14 @@ class SGLangLaunch(LaunchSpec):
         # SGLang runs a real one-token generation for it, which fails while a colocated
         # engine has released its weights and KV cache. /health_generate still generates.
         self.env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
+        if self.enable_memory_saver:
+            # Decode CUDA graphs are captured into the memory saver's region, and so
+            # released with the weights and KV cache, only with this set (0.5.18
+            # srt/model_executor/runner_backend/full_cuda_graph_backend.py:65-68; slime and
+            # miles set it for colocated engines too).
+            self.env.setdefault("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "true")
+        if self.device == "cuda":
+            self.env.setdefault("NCCL_CUMEM_ENABLE", nccl_cumem_enable(self.extra_args))
         if self.device == "cpu":
             self.env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
             if self.max_total_tokens is None:
@@ -233,6 +241,24 @@ class SGLangLaunch(LaunchSpec):
         if size is not None:
             args += ["--max-mamba-cache-size", str(size)]
         return args
+
+
+def nccl_cumem_enable(sglang_args: Sequence[str] = ()) -> str:
+    """NCCL_CUMEM_ENABLE as SGLang's processes have it: SGLang sets 0 unless the variable
+    is set, and 1 with --enable-symm-mem (0.5.18 srt/entrypoints/engine.py:1659-1660).
+    The ranks of one NCCL communicator must agree on it, and the weight-broadcast group
+    spans training rank 0 and the engines: the training ranks get this value too
+    (trainer.training.train_group), as slime does (ray/actor_group.py)."""
+    if "--enable-symm-mem" in [str(a) for a in sglang_args]:
+        return "1"
+    return os.environ.get("NCCL_CUMEM_ENABLE", "0")
+
+
+def releases_cuda_graphs(spec: "LaunchSpec") -> bool:
+    """Whether releasing this engine's memory frees its decode CUDA graphs (the memory
+    plan counts them as kept otherwise)."""
+    return (isinstance(spec, SGLangLaunch) and spec.enable_memory_saver
+            and spec.env.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "").lower() in ("1", "true"))
 
 
 # SGLang's CPU backend needs its AMX weights re-packed after in-place updates: homegym's

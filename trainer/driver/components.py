@@ -56,10 +56,19 @@ def backend_args(config: HomegymConfig) -> dict[str, Any]:
                 total_optimizer_steps=config.derived.total_optimizer_steps)
 
 
+def rank_env(config: HomegymConfig) -> dict[str, str]:
+    """What every training rank's process gets in its environment: NCCL_CUMEM_ENABLE as
+    the SGLang engines have it, since rank 0 shares the weight-broadcast communicator with
+    them (``rollout.engines.actor.nccl_cumem_enable``)."""
+    from rollout.engines.actor import nccl_cumem_enable
+
+    return {"NCCL_CUMEM_ENABLE": nccl_cumem_enable(config.rollout.sglang_args)}
+
+
 def train_group(config: HomegymConfig, placement: Optional[Any] = None):
     from trainer.training.train_group import TrainGroup
 
-    return TrainGroup(placement=placement, **backend_args(config))
+    return TrainGroup(placement=placement, env=rank_env(config), **backend_args(config))
 
 
 def rollout_sections(config: HomegymConfig) -> dict[str, Any]:

@@ -138,8 +138,9 @@ TIGHT_FRACTION = 0.05        # headroom under 5% of the GPU is reported as tight
 # "optimizer: fp32 main params", "reference model").
 MEGATRON_KEPT_WHEN_OFFLOADED: tuple[str, ...] = ()
 # Colocated engines release their decode CUDA graphs with the weights and KV cache (the
-# memory saver's "cuda_graph" tag; prefill graphs are disabled there, see
-# rollout/engines/actor.py). False: count the graphs as kept while training.
+# memory saver's "cuda_graph" tag, which holds them only because their launch sets
+# SGLANG_MEMORY_SAVER_CUDA_GRAPH: rollout.engines.actor.releases_cuda_graphs; prefill
+# graphs are disabled there). False: count the graphs as kept while training.
 ENGINE_RELEASES_CUDA_GRAPHS = True
 
 

@@ -18,7 +18,9 @@ actor as a remote traceback:
 - the engine can serve the model here: SGLang on CPU needs AVX-512 and AMX (and, for
   Qwen3.5, Gated DeltaNet head dims its kernels take), homegym's CPU engine keeps
   recurrent state for Qwen3.5 only, and a hybrid model's cached states can be flushed
-  after every weight update (not while requests wait in place).
+  after every weight update (not while requests wait in place);
+- what the training backend needs is installed here (Megatron's sequence parallelism:
+  Transformer Engine), before any engine or rank starts.
 
 Each problem is a ``ConfigError`` whose one-line message starts with the key. Nothing here
 loads a torch model, a tokenizer or a whole data file.
@@ -42,6 +44,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def preflight(config: HomegymConfig) -> None:
     """Raise ConfigError for the first thing in ``config`` that cannot work."""
+    check_backend(config)
     env_cls = check_env(config)
     check_plugins(config, env_cls)
     check_warmup(config, env_cls)
@@ -88,6 +91,27 @@ def _signature(fn: Callable) -> str:
         return f"{getattr(fn, '__name__', 'it')}{inspect.signature(fn)}"
     except (TypeError, ValueError):
         return repr(fn)
+
+
+# ----------------------------------------------------------------------- backend
+def check_backend(config: HomegymConfig) -> None:
+    """Megatron's sequence parallelism needs Transformer Engine's layer spec: the local
+    spec normalises with torch RMSNorm, which refuses it (megatron-core 0.16.1
+    transformer/torch_norm.py). The ranks would find out in their actors, after every
+    engine started (trainer/backends/megatron/model.py kernel_plan)."""
+    train = config.train
+    if train.backend != "megatron" or not train.sequence_parallel:
+        return
+    if config.cluster.device != "cuda":
+        raise _fail("train.sequence_parallel", "true needs Transformer Engine on CUDA; "
+                    "cluster.device=cpu runs Megatron's local layer spec: set "
+                    "train.sequence_parallel=false")
+    from trainer.training.backends.megatron.model import have_transformer_engine
+
+    if not have_transformer_engine():
+        raise _fail("train.sequence_parallel", "true needs Transformer Engine, which does "
+                    "not import here: install it (pip install --no-build-isolation -c "
+                    "constraints.txt -e '.[te]') or set train.sequence_parallel=false")
 
 
 # ----------------------------------------------------------------------- environment

@@ -171,16 +171,19 @@ class TrainGroup:
     ``placement`` is a ``trainer.training.placement.Placement``; without one the actors are
     scheduled freely (tests, a single process slot per rank). The sections and values
     every rank's backend is built from: ``TrainBackend.init``'s (trainer/training/backends/
-    base.py).
+    base.py). ``env``: variables every rank's process gets besides OMP_NUM_THREADS
+    (``trainer.driver.components.rank_env``).
     """
 
     def __init__(self, model, train, algo, warmup, cluster, placement=None, *,
-                 share_prompts: bool, total_optimizer_steps: int) -> None:
+                 share_prompts: bool, total_optimizer_steps: int,
+                 env: Optional[dict[str, str]] = None) -> None:
         self.world_size = train.world_size
         backend_args = dict(model=model, train=train, algo=algo, warmup=warmup, cluster=cluster,
                             share_prompts=share_prompts,
                             total_optimizer_steps=total_optimizer_steps)
         actor_cls = ray.remote(TrainActor)
+        env_vars = {"OMP_NUM_THREADS": str(cluster.torch_threads), **(env or {})}
         self.actors = []
         for rank in range(self.world_size):
             if placement is not None:
@@ -191,9 +194,8 @@ class TrainGroup:
             else:
                 gpu = cluster.device == "cuda"
                 options = dict(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0)
-            env = {"OMP_NUM_THREADS": str(cluster.torch_threads)}
             self.actors.append(actor_cls.options(
-                runtime_env={"env_vars": env}, **options).remote(rank, self.world_size,
+                runtime_env={"env_vars": env_vars}, **options).remote(rank, self.world_size,
                                                                  **backend_args))
         address, port = ray.get(self.actors[0].rendezvous_address.remote())
         ray.get([a.init.remote(address, port) for a in self.actors])
