@@ -95,25 +95,35 @@ STEP_ATOL = {"train/pg_loss": 7e-6, "train/ppo_kl": 3e-6, "train/entropy": 2.5e-
 UPDATE_RTOL = 5e-3
 
 
+PARALLEL_ALGO = {"loss_agg": "seq_mean_token_mean", "entropy_coef": 0.01}
+PARALLEL_TRAIN = {"max_tokens_per_micro_batch": 128, "global_batch_size": 4}
+
+
+def _step_results(batch, tp, pp, ranks):
+    """Log-probs, the export, one train step's metrics and the export after it."""
+    group = components.train_group(_config(tp, pp, ranks=ranks, algo=PARALLEL_ALGO,
+                                           **PARALLEL_TRAIN))
+    try:
+        lps = group.log_probs(batch)
+        exported = exported_params(group)
+        metrics = group.train_step(batch)
+        return lps, exported, metrics, exported_params(group)
+    finally:
+        group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def single_rank(ray_local, tiny_model_path, batch):
+    """The single-rank reference, once for the three layouts below."""
+    return _step_results(batch, 1, 1, 1)
+
+
 @pytest.mark.parametrize("tp,pp,ranks", [(2, 1, 2), (1, 2, 2), (1, 1, 2)],
                          ids=["tp2", "pp2", "dp2"])
-def test_model_parallel_equals_single_rank(ray_local, tiny_model_path, batch, hf_logps, tp, pp,
-                                           ranks):
+def test_model_parallel_equals_single_rank(single_rank, batch, hf_logps, tp, pp, ranks):
     """TP=2, PP=2 and DP=2 (two Ray actors each) give one rank's log-probs, export and
     train step (two optimizer steps, several micro-batches)."""
-    algo = {"loss_agg": "seq_mean_token_mean", "entropy_coef": 0.01}
-    train = {"max_tokens_per_micro_batch": 128, "global_batch_size": 4}
-    results = {}
-    for key, (t, p, r) in {"single": (1, 1, 1), "parallel": (tp, pp, ranks)}.items():
-        group = components.train_group(_config(t, p, ranks=r, algo=algo, **train))
-        try:
-            lps = group.log_probs(batch)
-            exported = exported_params(group)
-            metrics = group.train_step(batch)
-            results[key] = (lps, exported, metrics, exported_params(group))
-        finally:
-            group.shutdown()
-    (l1, e1, m1, p1), (l2, e2, m2, p2) = results["single"], results["parallel"]
+    (l1, e1, m1, p1), (l2, e2, m2, p2) = single_rank, _step_results(batch, tp, pp, ranks)
     for a, b, h in zip(l1, l2, hf_logps):
         torch.testing.assert_close(b, a, atol=LOGP_ATOL, rtol=0)
         torch.testing.assert_close(b, h, atol=LOGP_ATOL, rtol=0)
@@ -147,7 +157,8 @@ def test_train_step_decreases_loss_on_fixed_batch(tp1, batch):
     assert losses[2] < losses[1] < losses[0]
 
 
-def test_megatron_trains_through_trainer_main_with_engines_and_weight_sync(tmp_path, tiny_model_path):
+def test_megatron_trains_through_trainer_main_with_engines_and_weight_sync(tmp_path, tiny_model_path,
+                                                                            ray_address):
     """README: `train.backend=megatron` is a full run: `python -m trainer.main` with CPU
     engines, TP=2 ranks, one RL step and its weight sync (read back and checked against
     what was sent by WeightSync), then the hf/ export of the trained weights."""
@@ -157,7 +168,8 @@ def test_megatron_trains_through_trainer_main_with_engines_and_weight_sync(tmp_p
                    "train.tensor_model_parallel_size=2", "train.num_steps=1",
                    "warmup.steps=4", "rollout.num_engines=1", "rollout.rollout_batch_size=2",
                    "rollout.n_samples_per_prompt=4", "eval.before_and_after=false",
-                   "train.share_prompts=false", timeout_s=600)
+                   "train.share_prompts=false", timeout_s=600,
+                   ray_address=ray_address)
     steps = [m for m in run.metrics if "rollout/raw_reward" in m]
     assert [m["step"] for m in steps] == [1]
     base = load_file(os.path.join(tiny_model_path, "model.safetensors"))
