@@ -5,7 +5,8 @@
 
 Starts one engine server and the router as bench_engine.py does, warms up, then runs its
 burst (64 prompts x 32 new tokens) and its multi-turn RL shape (64 episodes x 8 turns)
-``--runs`` times each. For each workload it prints the wall time per run, the CPU seconds
+``--runs`` times each (a burst run is ``run_engine``'s, one request alone and then the
+burst). For each workload it prints the wall time per run, the CPU seconds
 per run of the engine process, the router process and this client, the engine's own
 prefill/decode seconds (``/server_info``), and a breakdown of the engine process's
 samples from py-spy (``pip install py-spy``, the ``bench`` extra; ``--rate 0`` skips it):
