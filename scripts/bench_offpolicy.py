@@ -123,7 +123,7 @@ def run_regime(name: str, overrides: list[str], args, out: Path, results: list[d
         rt.train_group.save(reset)  # the warmed weights and a fresh optimizer
         base = Driver(first, regime_dir, rt)
         base.push_weights(0)
-        base_success = base.evaluate(f"{name}/base", step=0)["eval/success_rate"]
+        base_success = base.evaluate(f"{name}-base", step=0)["eval/success_rate"]
         print(f"[{name}] runtime up and base evaluated in {time.perf_counter() - start:.0f}s",
               flush=True)
         for seed in args.seeds:
@@ -144,7 +144,7 @@ def run_regime(name: str, overrides: list[str], args, out: Path, results: list[d
                 with open(run_dir / "metrics.jsonl", "w") as f:
                     for i, row in enumerate(rows, 1):
                         f.write(json.dumps({"step": i, **row}) + "\n")
-                success = driver.evaluate(f"{name}/{correction}/seed{seed}",
+                success = driver.evaluate(f"{name}-{correction}-seed{seed}",
                                           step=args.steps)["eval/success_rate"]
                 result = {"regime": name, "correction": correction, "seed": seed,
                           "success": success, "base_success": base_success,
