@@ -42,6 +42,49 @@ class Breakage:
 
 BREAKAGES = [
     Breakage(
+        "engine-ack-no-load",
+        "an engine that acknowledges a weight push (and reports its version) without "
+        "loading the tensors",
+        "rollout/engines/hf/server.py",
+        "            for name, tensor in named:\n                sd[name].copy_(tensor)",
+        "            for name, tensor in named:\n                pass",
+        ("tests/test_loop.py::test_weight_sync_round_trip",)),
+    Breakage(
+        "loss-mask-shift",
+        "the loss mask shifted by one token (each sample's mask starts one token late)",
+        "trainer/training/backends/batching.py",
+        "loss_mask = torch.tensor([m for i in sample_ids for m in batch.loss_masks[i]],",
+        "loss_mask = torch.tensor([m for i in sample_ids\n"
+        "                              for m in [0] + batch.loss_masks[i][:-1]],",
+        ("tests/test_fsdp_batching.py::test_micro_batch_indices_point_at_response_tokens",
+         "tests/test_backend_parity.py::test_fsdp_and_megatron_steps_equal_plain_autograd")),
+    Breakage(
+        "ledger-requeues-trained",
+        "the prompt ledger re-queues a group it just marked trained",
+        "rollout/ledger.py",
+        "            self.trained[key] += 1\n",
+        "            self.trained[key] += 1\n            self.requeued.append(key)\n",
+        ("tests/test_rollout_ledger.py",)),
+    Breakage(
+        "resume-skips-optimizer",
+        "a resume that loads the weights but not the optimizer state (Adam moments, step)",
+        "trainer/training/backends/fsdp.py",
+        'state = {"model": self._model_state(model_sd), "optim": optim_sd}\n'
+        '        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))',
+        'state = {"model": self._model_state(model_sd)}\n'
+        '        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))\n'
+        '        state["optim"] = optim_sd',
+        ("tests/test_fsdp_train_group.py::test_save_load_restores_params_and_optimizer",)),
+    Breakage(
+        "resume-restarts-data",
+        "a resume that restores the rollout manager's ledger and buffer but not the data "
+        "source's position (the data order starts over)",
+        "rollout/manager.py",
+        '        self.train_data.load_state_dict(state["train_data"])\n',
+        "",
+        ("tests/test_rollout_ledger.py::"
+         "test_manager_trains_every_group_once_through_failures_extras_and_a_checkpoint",)),
+    Breakage(
         "skip-norm",
         "skipped zero-advantage samples no longer count in the loss denominators "
         "(the update of a step with skipped groups is scaled up)",
@@ -60,6 +103,39 @@ BREAKAGES = [
         "entropy = lse - reduce((exp * shifted).sum(dim=-1)) / sum_exp",
         "entropy = lse - reduce((exp / sum_exp[:, None] * shifted).sum(dim=-1))",
         ("tests/test_megatron_backend.py::test_model_parallel_equals_single_rank[tp2]",)),
+    Breakage(
+        "staleness-off-by-one",
+        "async generation runs one step further ahead than algo.max_staleness allows",
+        "trainer/driver/pipeline.py",
+        "and version >= self._next - 1 - self.max_staleness):",
+        "and version >= self._next - 2 - self.max_staleness):",
+        ("tests/test_async_pipeline.py::test_generation_runs_ahead_by_the_staleness_bound",)),
+    Breakage(
+        "agent-retokenizes",
+        "an agent session that re-renders an answered assistant message from its parsed "
+        "tool calls instead of the model's own text (the next call no longer extends the "
+        "recorded tokens)",
+        "rollout/agent/session.py",
+        "        if answer is not None and answer.echoed_by(message):",
+        "        if False and answer is not None and answer.echoed_by(message):",
+        ("tests/test_rollout_agent.py::"
+         "test_every_dialect_records_the_same_token_exact_sample_malformed_call_included",)),
+    Breakage(
+        "restart-without-policy",
+        "a restarted engine rejoins the router without being given the current policy "
+        "(it serves the base weights)",
+        "rollout/engines/group.py",
+        "            if dead and push_weights is not None:",
+        "            if False and dead and push_weights is not None:",
+        ("tests/test_faults_engine.py::"
+         "test_engine_dies_mid_rollout_step_completes_and_engine_recovers",)),
+    Breakage(
+        "lora-merge-unscaled",
+        "the LoRA push merges B @ A into the base weight without the alpha / r scaling",
+        "trainer/training/backends/lora.py",
+        "merged.addmm_(b.float(), a.float(), alpha=layers[module])",
+        "merged.addmm_(b.float(), a.float(), alpha=1.0)",
+        ("tests/test_lora.py::test_merged_export_is_peft_merge_of_the_saved_adapter",)),
 ]
 
 
@@ -95,9 +171,12 @@ def run_tests(tree: Path, tests: tuple[str, ...], timeout_s: float,
     try:
         proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True,
                               timeout=timeout_s)
-        return proc.returncode, proc.stdout[-3000:] + proc.stderr[-2000:], time.monotonic() - start
+        return proc.returncode, proc.stdout[-20000:] + proc.stderr[-5000:], time.monotonic() - start
     except subprocess.TimeoutExpired:
         return -1, f"timed out after {timeout_s:.0f}s", time.monotonic() - start
+
+
+LOG_DIR = Path(tempfile.gettempdir()) / "hg-mutants"
 
 
 def main() -> int:
@@ -131,12 +210,15 @@ def main() -> int:
                     continue
             apply(tree, b)
             code, out, secs = run_tests(tree, b.tests, args.timeout, not args.no_lock)
+            LOG_DIR.mkdir(exist_ok=True)
+            (LOG_DIR / f"{b.name}.log").write_text(out)
             verdict = "caught" if code not in (0, -1) else ("timeout" if code == -1 else "MISSED")
             print(f"{b.name}: {verdict} ({secs:.0f}s)", flush=True)
             if verdict != "caught":
                 print(out)
             else:  # the failing assertion, for the record
-                print("\n".join(l for l in out.splitlines() if l.startswith(("E ", "FAILED")))[:1500])
+                print("\n".join(line for line in out.splitlines()
+                                if line.startswith(("E ", "FAILED", "ERROR")))[:1500])
             rows.append((b.name, verdict, secs))
     print("\nbreakage                 result    seconds")
     for name, verdict, secs in rows:
