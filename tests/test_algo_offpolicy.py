@@ -266,3 +266,30 @@ def test_console_summary_of_the_mismatch():
                              "mismatch/staleness_mean": 0.75, "mismatch/staleness_max": 2.0})
     assert line == "gap 0.0123 max 0.500 k3 1.5e-04 cut 2.0% stale 0.75"
     assert mismatch_summary({"rollout/raw_reward": 1.0}) == ""
+
+
+def test_set_algo_swaps_the_loss_settings_of_a_live_rank():
+    """StepLoop.set_algo (TrainGroup.set_algo; bench_offpolicy compares corrections on
+    live ranks) replaces the algo section the next step reads; a KL term needs the
+    reference model that only init creates."""
+    import torch.distributed as dist
+
+    from conftest import free_port
+    from train_batches import make_config
+    from trainer.driver import components
+    from trainer.training.backends.fsdp import FSDPBackend
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                                rank=0, world_size=1)
+    try:
+        backend = FSDPBackend()
+        backend.init(rank=0, world_size=1, **components.backend_args(make_config()))
+        backend.set_algo(AlgoConfig(rollout_correction="icepop", policy_loss="sapo"))
+        assert (backend.algo.rollout_correction, backend.algo.policy_loss) == ("icepop", "sapo")
+        with pytest.raises(ValueError, match="reference model"):
+            backend.set_algo(AlgoConfig(kl_coef=0.1))
+    finally:
+        if created:
+            dist.destroy_process_group()

@@ -13,7 +13,6 @@ moments), and the reassembly of per-sample log-probs computed on different ranks
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Callable, Optional
 
@@ -202,10 +201,10 @@ class StepLoop:
         """Swap the loss settings (an ``AlgoConfig``) between steps, so a sweep or a
         benchmark compares algorithms on live ranks. Whether a reference model exists was
         decided at ``init`` by ``kl_coef``, so a KL term cannot be switched on here."""
-        if algo.kl_coef > 0 and self.config.algo.kl_coef == 0:
+        if algo.kl_coef > 0 and self.algo.kl_coef == 0:
             raise ValueError("set_algo: algo.kl_coef > 0 needs a reference model, which "
                              "ranks started with kl_coef=0 do not have")
-        self.config = dataclasses.replace(self.config, algo=algo)
+        self.algo = algo
 
     def _set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
