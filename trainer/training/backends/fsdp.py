@@ -25,8 +25,9 @@ from trainer.training.backends.base import NamedTensors, bucketed
 from trainer.training.backends.batching import (
     BatchLike, MicroBatch, build_micro_batch, build_shared_prefix_micro_batch, check_batch,
     plan_step)
-from trainer.training.backends import packed_attention
+from trainer.training.backends import packed_attention, packed_gdn
 from trainer.training.backends.rl_step import StepLoop, per_sample_log_probs
+from rollout.modeling.hybrid import use_homegym_gdn
 from rollout.models import cache_kwarg, keeps_boolean_logits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -109,6 +110,8 @@ class FSDPBackend(StepLoop):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype,
                                                      attn_implementation=attn)
         model.config.use_cache = False
+        # Hybrid models (Qwen3.5): Gated DeltaNet layers that take packed sequences and states.
+        self.hybrid = use_homegym_gdn(model) > 0
         if self.lora is not None and trainable:
             from trainer.training.backends.lora import apply_lora
 
@@ -166,15 +169,21 @@ class FSDPBackend(StepLoop):
         distinct prefix runs once (keeping its KV cache, with grad), then the packed
         suffixes attend to their prefix's KV through ``packed_attention``."""
         s = mb.shared
+        # Gated DeltaNet layers (hybrid models) keep their prefixes' final states instead.
+        prefix_gdn = packed_gdn.prefix_batch() if self.hybrid else None
+        gdn = {"gdn": prefix_gdn} if self.hybrid else {}
         out = model(input_ids=s.prefix_ids, attention_mask=s.prefix_mask, use_cache=True,
-                    logits_to_keep=self._keep(s.prefix_keep), **{self.cache_kw: DynamicCache()})
+                    logits_to_keep=self._keep(s.prefix_keep), **{self.cache_kw: DynamicCache()},
+                    **gdn)
         cache = out[self.cache_kw]
         prefix_kv = packed_attention.PackedPrefix(
             keys=[layer.keys for layer in cache.layers],
             values=[layer.values for layer in cache.layers], layout=s)
+        if self.hybrid:
+            gdn = {"gdn": packed_gdn.suffix_batch(prefix_gdn, s)}
         suffix = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                        position_ids=s.position_ids, logits_to_keep=self._keep(s.keep), use_cache=False,
-                       packed_prefix=prefix_kv).logits
+                       packed_prefix=prefix_kv, **gdn).logits
         logits = torch.cat([_kept(suffix, s.keep), _kept(out.logits, s.prefix_keep)])
         return logits[s.logit_idx]
 

@@ -1,0 +1,122 @@
+"""The FSDP backend on a hybrid model (tiny-qwen3_5: Gated DeltaNet + gated attention):
+its log-probs and gradients, in the shared-prefix layout (each group's prefix runs once and
+its GDN states seed the packed suffixes) and in the padded layout, equal transformers'
+own forward of each sample alone.
+
+The backend runs one rank in a child process (its gloo process group stays out of the
+pytest process). Tolerances: log-probs 1e-5 (fp32) against transformers in fp32, which
+itself is within ~1e-6 of the same forward in fp64 (asserted below); a dropped state or a
+conv leak moves log-probs by 1e-2 .. 1e-1. Gradients, against the fp64 forward: 1e-3 of each
+tensor's largest entry, which transformers' own fp32 gradients meet too (their error reaches
+2.4e-4 of it for the small gradients of the decay parameters A_log and dt_bias).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from train_batches import make_batch, make_config
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _batch():
+    # Groups whose samples share a first turn (common_start) and responses long enough
+    # to cross the GDN's 64-token chunks; a budget that splits a group across micro-batches.
+    return make_batch(num_groups=2, group_size=3, prompt_len=(10, 20), response_len=(5, 80),
+                      vocab=450, seed=3, common_start=4)
+
+
+def _weights(batch, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(r, generator=g) for r in batch.response_lengths]
+
+
+def _backend_child(out: str) -> None:
+    """Child: per layout, log-probs (eval) and the gradient of sum(w * log-probs) (train)."""
+    import torch.distributed as dist
+
+    from trainer.backends.fsdp import FSDPBackend
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    batch, weights = _batch(), _weights(_batch())
+    res = {}
+    for share in (True, False):
+        b = FSDPBackend()
+        b.init(make_config(model={"path": "tiny-qwen3_5"},
+                           train={"share_prompts": share, "max_tokens_per_micro_batch": 300}), 0, 1)
+        plan = b._plan(batch, None)[0]
+        mbs = [b._micro_batch(batch, ids) for ids in plan]
+        res[share] = {"hybrid": b.hybrid, "log_probs": b.log_probs(batch),
+                      "layouts": [mb.shared is not None for mb in mbs],
+                      "split": max(len(mb.sample_ids) for mb in mbs) < len(batch.tokens)}
+        b.model.train()
+        for mb in mbs:
+            logp, _ = b._forward(b.model, mb, with_entropy=False)
+            w = torch.cat([weights[i] for i in mb.sample_ids])
+            (logp * w).sum().backward()
+        res[share]["grads"] = {n: p.grad.full_tensor().clone() for n, p in b.model.named_parameters()}
+    torch.save(res, out)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def backend_results(tmp_path_factory, tiny_qwen3_5_path):
+    out = tmp_path_factory.mktemp("q35") / "res.pt"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]),
+               OMP_NUM_THREADS="1")
+    code = f"import test_fsdp_qwen3_5 as t; t._backend_child({str(out)!r})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return torch.load(out, weights_only=False)
+
+
+def _reference(path, dtype):
+    """Per-sample log-probs and gradients from transformers' own model (its torch GDN); in
+    fp64 with homegym's GDN, which stays in fp64 where transformers' computes in fp32 (the
+    float-noise yardstick)."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout.modeling.hybrid import use_homegym_gdn
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if dtype == torch.float64:
+        use_homegym_gdn(model)
+    model.train()
+    batch = _batch()
+    log_probs = []
+    for toks, r, w in zip(batch.tokens, batch.response_lengths, _weights(batch)):
+        ids = torch.tensor([toks])
+        logits = model(input_ids=ids).logits[0, -r - 1:-1]
+        lp = torch.log_softmax(logits, -1).gather(1, ids[0, -r:, None])[:, 0]
+        (lp * w.to(dtype)).sum().backward()
+        log_probs.append(lp.detach())
+    return log_probs, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_hybrid_log_probs_and_gradients_equal_transformers_per_sample(backend_results,
+                                                                      tiny_qwen3_5_path):
+    ref_lp, ref_grads = _reference(tiny_qwen3_5_path, torch.float32)
+    lp64, grads64 = _reference(tiny_qwen3_5_path, torch.float64)
+    noise = max(float((a.double() - b).abs().max()) for a, b in zip(ref_lp, lp64))
+    assert noise < 1e-5  # the bound below is above float noise
+    for share, res in backend_results.items():
+        assert res["hybrid"] and all(s == share for s in res["layouts"])
+        assert res["split"]  # several micro-batches: a group's samples do not all share one
+        for got, want in zip(res["log_probs"], ref_lp):
+            assert (got - want).abs().max() <= 1e-5, share
+        assert set(res["grads"]) == set(ref_grads)
+        for name, exact in grads64.items():
+            bound = 1e-3 * float(exact.abs().max())
+            # transformers' own fp32 gradient is within the bound (float noise: up to 2.4e-4
+            # of the largest entry here, for the small decay-parameter gradients) ...
+            assert (ref_grads[name].double() - exact).abs().max() <= bound, name
+            # ... and so is the backend's.
+            assert (res["grads"][name].double() - exact).abs().max() <= bound, (share, name)
