@@ -104,6 +104,19 @@ def wheel_dir(version: str) -> Path:
     return d
 
 
+def source_text(version: str, rel: str) -> str:
+    """The text of any file of the wheel (``sglang/srt/models/qwen3_5.py``), extracted into
+    the cache on first use. Raises SglangSourceUnavailable, or KeyError when not there."""
+    d = wheel_dir(version)
+    target = d / "src" / rel
+    if not target.exists():
+        from filelock import FileLock
+
+        with FileLock(str(d) + ".lock"), zipfile.ZipFile(_find_wheel(d, version)) as zf:
+            _extract(zf, rel, d / "src")
+    return target.read_text(encoding="utf-8")
+
+
 def _find_wheel(d: Path, version: str) -> Path | None:
     # Wheels only ever land here by an atomic rename, so one that is there is whole.
     for w in sorted(d.glob(f"sglang-{version}-*.whl")):

@@ -41,7 +41,9 @@ def _backend_child(out: str) -> None:
     """Child: per layout, log-probs (eval) and the gradient of sum(w * log-probs) (train)."""
     import torch.distributed as dist
 
+    from rollout.models import resolve_model_path
     from trainer.backends.fsdp import FSDPBackend
+    from trainer.checkpoint import export_hf
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     batch, weights = _batch(), _weights(_batch())
@@ -61,6 +63,13 @@ def _backend_child(out: str) -> None:
             w = torch.cat([weights[i] for i in mb.sample_ids])
             (logp * w).sum().backward()
         res[share]["grads"] = {n: p.grad.full_tensor().clone() for n, p in b.model.named_parameters()}
+    # The policy after one optimizer step (differs from the base), exported and pushed.
+    b._optimizer_step()
+    buckets = list(b.named_weight_buckets(1 << 16))
+    export_hf(buckets, resolve_model_path("tiny-qwen3_5"), Path(out).parent / "hf")
+    res["trained"] = {n: t for bucket in buckets for n, t in bucket}
+    res["bf16"] = {n: t for bucket in b.named_weight_buckets(1 << 16, dtype=torch.bfloat16)
+                   for n, t in bucket}
     torch.save(res, out)
     dist.destroy_process_group()
 
@@ -74,7 +83,7 @@ def backend_results(tmp_path_factory, tiny_qwen3_5_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    return torch.load(out, weights_only=False)
+    return {**torch.load(out, weights_only=False), "hf_dir": out.parent / "hf"}
 
 
 def _reference(path, dtype):
@@ -107,7 +116,8 @@ def test_hybrid_log_probs_and_gradients_equal_transformers_per_sample(backend_re
     lp64, grads64 = _reference(tiny_qwen3_5_path, torch.float64)
     noise = max(float((a.double() - b).abs().max()) for a, b in zip(ref_lp, lp64))
     assert noise < 1e-5  # the bound below is above float noise
-    for share, res in backend_results.items():
+    for share in (True, False):
+        res = backend_results[share]
         assert res["hybrid"] and all(s == share for s in res["layouts"])
         assert res["split"]  # several micro-batches: a group's samples do not all share one
         for got, want in zip(res["log_probs"], ref_lp):
@@ -120,3 +130,38 @@ def test_hybrid_log_probs_and_gradients_equal_transformers_per_sample(backend_re
             assert (ref_grads[name].double() - exact).abs().max() <= bound, name
             # ... and so is the backend's.
             assert (res["grads"][name].double() - exact).abs().max() <= bound, (share, name)
+
+
+@pytest.mark.slow
+def test_export_is_a_full_qwen3_5_checkpoint_and_pushes_keep_a_log_fp32(
+        backend_results, tiny_qwen3_5_path):
+    """The trained text model comes out under model.language_model. next to the base's
+    vision tower and MTP layer (verbatim), loads as Qwen3_5ForConditionalGeneration with
+    nothing missing or unexpected, embeddings still tied; a bf16 push keeps A_log fp32."""
+    from safetensors import safe_open
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from trainer.hf_export import base_tensor_files
+
+    trained = backend_results["trained"]
+    out = backend_results["hf_dir"]
+    model, info = Qwen3_5ForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
+    state = model.state_dict()
+    for name, tensor in trained.items():
+        assert torch.equal(state["model.language_model." + name[len("model."):]], tensor), name
+    base = base_tensor_files(tiny_qwen3_5_path)
+    with safe_open(str(out / "model.safetensors"), "pt") as exported, safe_open(
+            str(Path(tiny_qwen3_5_path) / "model.safetensors"), "pt") as src:
+        assert set(exported.keys()) == set(base)
+        changed = [n for n in base if not torch.equal(exported.get_tensor(n), src.get_tensor(n))]
+        copied = [n for n in base if n.startswith(("model.visual.", "mtp."))]
+        assert copied and not set(changed) & set(copied)
+        assert len(changed) > len(trained) // 2  # the trained ones did change
+    bf16 = backend_results["bf16"]
+    assert set(bf16) == set(trained)
+    for name, tensor in bf16.items():
+        keep = name.endswith(".A_log")
+        assert tensor.dtype == (torch.float32 if keep else torch.bfloat16), name
+        assert torch.equal(tensor, trained[name] if keep else trained[name].bfloat16()), name

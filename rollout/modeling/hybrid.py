@@ -103,3 +103,16 @@ def is_hybrid(config) -> bool:
     """Whether a transformers config has linear-attention layers."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return "linear_attention" in (getattr(text, "layer_types", None) or ())
+
+
+# Parameters that stay fp32 in checkpoints and engines whatever the model's dtype: the GDN
+# decay rate (SGLang 0.5.18's qwen3_5.py declares A_log float32; exp(A_log) in bf16 loses
+# the small decays). Pushing them in bf16 would change the engine's numbers.
+FP32_PARAMS = frozenset({"A_log"})
+
+
+def transfer_dtype(name: str, dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The dtype to send or store tensor ``name`` in when the model goes in ``dtype``."""
+    if dtype is not None and name.rsplit(".", 1)[-1] in FP32_PARAMS:
+        return torch.float32
+    return dtype

@@ -160,17 +160,23 @@ def resolve_checkpoint(path: str | os.PathLike) -> str:
 # Files of the source checkpoint that describe it (not weights): copied next to an export.
 _HF_META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                   "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
-                  "tokenizer.model", "added_tokens.json")
+                  "tokenizer.model", "added_tokens.json", "preprocessor_config.json",
+                  "video_preprocessor_config.json", "processor_config.json")
 
 
 def export_hf(buckets: list[list[tuple[str, torch.Tensor]]], source_dir: str, out_dir: Path) -> None:
     """Write the policy as a Hugging Face checkpoint: the trained tensors under their HF
-    names plus the source model's config and tokenizer files."""
+    names in the source checkpoint's layout (a vision-language source keeps its vision tower
+    and MTP layer, ``trainer.hf_export``) plus the source model's config and tokenizer files."""
     from safetensors.torch import save_file
+
+    from trainer.driver.hf_export import in_base_layout
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to("cpu").contiguous() for bucket in buckets for name, t in bucket}
+    tensors = in_base_layout(
+        {name: t.detach().to("cpu").contiguous() for bucket in buckets for name, t in bucket},
+        source_dir)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     for name in _HF_META_FILES:
         src = Path(source_dir) / name

@@ -27,7 +27,7 @@ from trainer.training.backends.batching import (
     plan_step)
 from trainer.training.backends import packed_attention, packed_gdn
 from trainer.training.backends.rl_step import StepLoop, per_sample_log_probs
-from rollout.modeling.hybrid import use_homegym_gdn
+from rollout.modeling.hybrid import transfer_dtype, use_homegym_gdn
 from rollout.models import cache_kwarg, keeps_boolean_logits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -263,7 +263,7 @@ class FSDPBackend(StepLoop):
         which moves and copies that many fewer bytes (the cast is elementwise, so the
         result is the gathered tensor cast)."""
         for name, value in self._state_items(adapters_only):
-            yield name, _full_copy(value, device, dtype)
+            yield name, _full_copy(value, device, transfer_dtype(name, dtype))
 
     def _state_items(self, adapters_only: bool = False) -> list[tuple[str, torch.Tensor]]:
         # named_parameters() lists a shared parameter once, under its first name.
@@ -280,21 +280,28 @@ class FSDPBackend(StepLoop):
         if getattr(self, "_host_gather", None) is None:
             self._host_gather = HostGather(self.rank, self.world_size)
         host = self._host_gather
-        plan = list(bucketed(self._state_items(), bucket_bytes,
+        items = self._state_items()
+        # Tensors sent in another dtype than the rest (a GDN's A_log stays fp32) go last,
+        # in a bucket of their own: one shared buffer holds one dtype.
+        kept = [(n, v) for n, v in items if transfer_dtype(n, dtype) != dtype]
+        plan = list(bucketed([(n, v) for n, v in items if transfer_dtype(n, dtype) == dtype],
+                             bucket_bytes,
                              nbytes=lambda v: v.numel() * (dtype or v.dtype).itemsize))
+        plan.append(kept)
         for key, named in enumerate(plan):
+            wire = transfer_dtype(named[0][0], dtype) if named else dtype
             if (named and host.can_gather([v for _, v in named])
-                    and len({dtype or v.dtype for _, v in named}) == 1):
-                yield host.gather(key, named, dtype)
+                    and len({wire or v.dtype for _, v in named}) == 1):
+                yield host.gather(key, named, wire)
             elif named:
-                yield [(n, _full_copy(v, "cpu", dtype)) for n, v in named]
+                yield [(n, _full_copy(v, "cpu", wire)) for n, v in named]
 
     def named_weight_buckets(self, bucket_bytes: int, device: str = "cpu",
                              dtype: Optional[torch.dtype] = None) -> Iterator[NamedTensors]:
         """Gathered full tensors under HF names, ~bucket_bytes per bucket, on ``device``
         (a copy: the caller may keep or share them while training goes on), in ``dtype``
-        (None: the fp32 master weights). A LoRA policy yields its merged weights
-        (trainer.training.backends.lora.merged_tensors).
+        (None: the fp32 master weights; ``transfer_dtype`` keeps a few fp32). A LoRA policy
+        yields its merged weights (trainer.training.backends.lora.merged_tensors).
 
         Collective: every rank must drain the iterator.
         """
@@ -304,7 +311,7 @@ class FSDPBackend(StepLoop):
             # Merged in the master weights' precision, cast after.
             items = merged_tensors(self._full_state(device), self.lora_layers)
             if dtype is not None:
-                items = ((n, t.to(dtype)) for n, t in items)
+                items = ((n, t.to(transfer_dtype(n, dtype))) for n, t in items)
         elif device == "cpu" and self.device.type == "cpu" and self.world_size > 1:
             yield from self._host_buckets(bucket_bytes, dtype)
             return
