@@ -64,6 +64,27 @@ def test_gpu_recipe_matches_the_cli_composition(monkeypatch):
     assert cfg.model.dtype == "bfloat16"  # the family's settings come with the path
 
 
+def test_seed_qwen3_5_recipe_call_ports_with_only_its_imports_changed(monkeypatch):
+    """The seed's Qwen3_5_4B_Recipe(...) call, verbatim: the same config as the CLI's
+    +recipe=qwen3_5_4b with those values (1 x 8 H100, colocated, TP 1)."""
+    from trainer.api import Qwen3_5_4B, Qwen3_5_4B_Recipe
+
+    assert TrainConfig(model=Qwen3_5_4B(), recipe=Qwen3_5_4B_Recipe()).build() == cli_config(
+        monkeypatch, "+recipe=qwen3_5_4b")
+    cfg = TrainConfig(model=Qwen3_5_4B(), recipe=Qwen3_5_4B_Recipe(
+        gpu_type="H100", actor_num_nodes=1, actor_num_gpus_per_node=8,
+        tensor_model_parallel_size=1, sequence_parallel=False, rollout_num_gpus=8,
+        rollout_num_gpus_per_engine=1, colocate=True, num_rollout=1, n_samples_per_prompt=4,
+        rollout_batch_size=8, rollout_max_response_len=2048, save_interval=5,
+        custom_rm_function="examples.number_guess_seed.number_guess_rm")).build()
+    assert cfg.model.path == "/models/Qwen3.5-4B" and cfg.model.dtype == "bfloat16"
+    assert (cfg.cluster.num_nodes, cfg.cluster.gpus_per_node, cfg.cluster.colocate) == (1, 8, True)
+    assert (cfg.train.world_size, cfg.train.tensor_model_parallel_size) == (8, 1)
+    assert (cfg.rollout.num_gpus, cfg.rollout.num_gpus_per_engine, cfg.num_engines) == (8, 1, 8)
+    assert (cfg.train.num_steps, cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size,
+            cfg.rollout.max_response_len, cfg.train.save_interval) == (1, 4, 8, 2048, 5)
+
+
 def test_config_mistakes_name_the_key():
     with pytest.raises(ConfigError, match="n_samples_per_prompt"):
         TrainJob(recipe=NumberGuessCPURecipe(n_samples_per_prompt=0)).build()

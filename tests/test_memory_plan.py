@@ -308,3 +308,46 @@ def test_script_prints_the_plan_and_exits_1_when_it_cannot_fit(capsys):
     assert "H200" in capsys.readouterr().out
     assert script.main([]) == 0  # the CPU default: nothing to plan
     assert script.main(["rollout.n_samples_per_prompt=0"]) == 2
+
+
+# --------------------------------------------------------------------- hybrid (Qwen3.5)
+def test_hybrid_architecture_counts_what_the_model_holds(tiny_qwen3_5_path):
+    """tiny-qwen3_5 read from its directory: the parameter count (and a LoRA's on the GDN
+    projections) is the transformers model's own, KV is cached for the one full-attention
+    layer only, and every GDN layer keeps a recurrent state and a conv tail per sequence."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.backends.lora import apply_lora
+
+    config = compose_config(TOY_OVERRIDES + ["model.path=tiny-qwen3_5"])
+    arch, source = model_arch(config)
+    assert source.endswith("config.json") and arch.tie_word_embeddings
+    assert (arch.linear_layers, arch.attention_layers, arch.attn_output_gate) == (3, 1, True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_5_path)
+    assert arch.num_params() == sum(p.numel() for p in model.parameters())
+    targets = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "o_proj", "down_proj"]
+    apply_lora(model, SimpleNamespace(rank=4, alpha=8, dropout=0.0, target_modules=targets))
+    adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+    assert arch.lora_params(4, targets) == adapters
+    layer = model.model.layers[0].linear_attn
+    assert arch.kv_bytes_per_token() == 2 * 1 * 2 * 64 * 2  # K and V, 1 layer, 2 heads, bf16
+    assert arch.state_bytes_per_sequence() == 3 * (
+        layer.num_v_heads * layer.head_k_dim * layer.head_v_dim * 4 + layer.conv_dim * 3 * 2)
+
+
+def test_qwen3_5_4b_recipe_plans_state_slots():
+    """The seed's Qwen3.5-4B layout: ~49 MiB of GDN state per sequence (24 layers x 32 heads
+    x 128 x 128 fp32 plus the conv tails), SGLang's pool split 0.9 : 1 between states and KV,
+    and the recipe fits an H100."""
+    arch = BUILTIN_ARCHS["qwen3.5-4b"]
+    slot = arch.state_bytes_per_sequence()
+    assert slot == 24 * (32 * 128 * 128 * 4 + 8192 * 3 * 2) and round(slot / MiB, 1) == 49.1
+    plan = plan_memory(compose_config(["+recipe=qwen3_5_4b"])).check()
+    rollout = plan.phase("rollout")
+    states, kv = rollout.get("engine recurrent states"), rollout.get("engine KV cache pool")
+    assert states == pytest.approx(0.9 * kv)
+    assert f"{int(states // slot)} slots x 49.1 MiB" in plan.table()
+    fewer = plan_memory(compose_config(["+recipe=qwen3_5_4b",
+                                        "rollout.sglang_args=[--max-mamba-cache-size,10]"]))
+    assert fewer.phase("rollout").get("engine recurrent states") == 10 * slot
+    assert any("recurrent-state pool holds 10 sequences" in n for n in fewer.notes)

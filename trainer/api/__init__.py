@@ -37,15 +37,17 @@ from trainer.api.background import Run
 from config import HomegymConfig, compose_config, deprecated, set_dotted
 from trainer.api.dataset import DatasetConfig
 from trainer.serving.endpoint import Endpoint
-from trainer.api.model_catalog import Model, Qwen3_0_6B, Qwen3_4B, Qwen3_8B, SmolLM2_135M, TinyQwen3
+from trainer.api.model_catalog import (Model, Qwen3_0_6B, Qwen3_4B, Qwen3_5_4B, Qwen3_5_27B,
+                                       Qwen3_8B, SmolLM2_135M, TinyQwen3, TinyQwen3_5)
 from trainer.driver.preflight import preflight
 from trainer.api.recipes import (NumberGuessCPURecipe, Qwen3_0_6B_Recipe, Qwen3_4B_Recipe,
-                                 Qwen3_8B_Recipe, Recipe)
+                                 Qwen3_5_4B_Recipe, Qwen3_8B_Recipe, Recipe)
 from trainer.api.shipping import ship_function, ship_locally, ship_or_describe
 
 __all__ = [
-    "DatasetConfig", "Model", "TinyQwen3", "SmolLM2_135M", "Qwen3_0_6B", "Qwen3_4B", "Qwen3_8B",
-    "Recipe", "NumberGuessCPURecipe", "Qwen3_0_6B_Recipe", "Qwen3_4B_Recipe", "Qwen3_8B_Recipe",
+    "DatasetConfig", "Model", "TinyQwen3", "TinyQwen3_5", "SmolLM2_135M", "Qwen3_0_6B", "Qwen3_4B",
+    "Qwen3_8B", "Qwen3_5_4B", "Qwen3_5_27B", "Recipe", "NumberGuessCPURecipe", "Qwen3_0_6B_Recipe",
+    "Qwen3_4B_Recipe", "Qwen3_8B_Recipe", "Qwen3_5_4B_Recipe",
     "TrainJob", "TrainConfig", "Run", "Endpoint", "compose_config", "ship_function",
 ]
 

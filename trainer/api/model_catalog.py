@@ -48,3 +48,21 @@ class Qwen3_4B(Model):
 class Qwen3_8B(Model):
     """Qwen3-8B from a local HF directory (default /models/Qwen3-8B)."""
     group: ClassVar[str] = "qwen3_8b"
+
+
+@dataclass
+class TinyQwen3_5(Model):
+    """The built-in tiny Qwen3.5 (Gated DeltaNet + gated attention, made offline): CPU."""
+    group: ClassVar[str] = "tiny_qwen3_5"
+
+
+@dataclass
+class Qwen3_5_4B(Model):
+    """Qwen3.5-4B from a local HF directory (default /models/Qwen3.5-4B)."""
+    group: ClassVar[str] = "qwen3_5_4b"
+
+
+@dataclass
+class Qwen3_5_27B(Model):
+    """Qwen3.5-27B from a local HF directory (default /models/Qwen3.5-27B)."""
+    group: ClassVar[str] = "qwen3_5_27b"

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional
 
 from config import ConfigError, HomegymConfig, set_dotted
-from trainer.api.model_catalog import Qwen3_0_6B, Qwen3_4B, Qwen3_8B, TinyQwen3
+from trainer.api.model_catalog import Qwen3_0_6B, Qwen3_4B, Qwen3_5_4B, Qwen3_8B, TinyQwen3
 
 
 class _Unset:
@@ -187,3 +187,11 @@ class Qwen3_4B_Recipe(Recipe):
 class Qwen3_8B_Recipe(Recipe):
     hydra_recipe: ClassVar[Optional[str]] = "qwen_8b"
     default_model: ClassVar[type] = Qwen3_8B
+
+
+@dataclass
+class Qwen3_5_4B_Recipe(Recipe):
+    """conf/recipe/qwen3_5_4b.yaml: the seed's Qwen3.5-4B recipe, one 8xH100 node,
+    colocated SGLang engines + FSDP training ranks, TP 1."""
+    hydra_recipe: ClassVar[Optional[str]] = "qwen3_5_4b"
+    default_model: ClassVar[type] = Qwen3_5_4B

@@ -126,6 +126,13 @@ ENGINE_CONTEXT_GIB = 1.0     # CUDA context + attention-backend workspace of an 
 ENGINE_CUDA_GRAPH_MIB_PER_BS = 2.0  # SGLang's reserve per captured decode batch size
 # Activation bytes per token per layer: (8h + 6(nh + nkv)hd + 8I), see the docstring.
 CKPT_FACTOR = 2              # activation checkpointing: a layer's bf16 input per token
+# A Gated DeltaNet layer's mixer, bytes kept per token per channel (module docstring): the
+# conv's bf16 input and output plus q/k/v in fp32 for the kernel (8 per conv channel); the
+# kernel's fp32 output, z and the gated norm's bf16 output (10 per value channel).
+GDN_CONV_BYTES = 8
+GDN_VALUE_BYTES = 10
+# SGLang's default --mamba-full-memory-ratio: recurrent-state memory / KV cache memory.
+MAMBA_FULL_MEMORY_RATIO = 0.9
 # Logits, bytes per vocabulary entry: bf16 output + its fp32 copy of every position of
 # the micro-batch (Megatron computes all), and three fp32 working copies of the response
 # rows (the selected rows, shifted, exp; or their gradients in backward).
@@ -147,7 +154,8 @@ ENGINE_RELEASES_CUDA_GRAPHS = True
 # Table rows, trainer first, then the engine.
 ROW_ORDER = ("weights", "grads", "optimizer: fp32 main params", "optimizer: Adam moments",
              "reference model", "gathered params", "activations", "logits", "trainer runtime",
-             "engine weights", "engine KV cache pool", "engine runtime", "engine CUDA graphs",
+             "engine weights", "engine KV cache pool", "engine recurrent states", "engine runtime",
+             "engine CUDA graphs",
              "engine prefill activations")
 
 
@@ -158,7 +166,9 @@ class MemoryPlanError(ConfigError):
 # ====================================================================== architecture
 @dataclass(frozen=True)
 class ModelArch:
-    """The numbers of a dense decoder (Qwen3 / Qwen2 / Llama) that memory depends on."""
+    """The numbers of a dense decoder (Qwen3 / Qwen2 / Llama) that memory depends on; a
+    hybrid one (Qwen3.5) also has Gated DeltaNet layers (``linear_layers`` of the
+    ``num_layers``: no KV cache, a recurrent state per sequence) and gated attention."""
 
     name: str
     hidden_size: int
@@ -171,15 +181,29 @@ class ModelArch:
     tie_word_embeddings: bool
     qk_norm: bool = True          # Qwen3: RMSNorm on q and k (head_dim weights each)
     attention_bias: bool = False  # Qwen2: q/k/v biases
+    attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a per-head output gate
+    linear_layers: int = 0        # Gated DeltaNet layers (Qwen3.5: 3 of every 4)
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    conv_kernel: int = 4
 
     @classmethod
     def from_hf_config(cls, cfg: dict, name: str = "") -> "ModelArch":
+        parent = cfg
         cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
         if cfg.get("num_experts") or cfg.get("n_routed_experts"):
             raise ConfigError(f"model.path: {name or 'the model'} is a mixture-of-experts "
                               "model; the memory plan covers dense models only")
         heads = int(cfg["num_attention_heads"])
         model_type = cfg.get("model_type", "")
+        layers = int(cfg["num_hidden_layers"])
+        types = cfg.get("layer_types") or (
+            ["full_attention" if (i + 1) % int(cfg["full_attention_interval"]) == 0
+             else "linear_attention" for i in range(layers)]
+            if cfg.get("full_attention_interval") else [])
+        qwen3_5 = model_type.startswith("qwen3_5")
         return cls(
             name=name or cfg.get("_name_or_path") or model_type or "model",
             hidden_size=int(cfg["hidden_size"]),
@@ -189,22 +213,61 @@ class ModelArch:
             head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
             intermediate_size=int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qk_norm=model_type == "qwen3",
+            # A vision-language config's text part may leave the flag to its parent.
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
+                                             parent.get("tie_word_embeddings", False))),
+            qk_norm=model_type == "qwen3" or qwen3_5,
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            attn_output_gate=qwen3_5,
+            linear_layers=sum(t == "linear_attention" for t in types),
+            linear_key_heads=int(cfg.get("linear_num_key_heads") or 0),
+            linear_value_heads=int(cfg.get("linear_num_value_heads") or 0),
+            linear_key_dim=int(cfg.get("linear_key_head_dim") or 0),
+            linear_value_dim=int(cfg.get("linear_value_head_dim") or 0),
+            conv_kernel=int(cfg.get("linear_conv_kernel_dim") or 4),
         )
 
-    # -------------------------------------------------------------- parameter counts
-    def layer_matrix_params(self) -> int:
-        """Parameters of one layer that tensor parallelism splits (projections)."""
-        h, hd = self.hidden_size, self.head_dim
-        qkv = h * (self.num_heads + 2 * self.num_kv_heads) * hd
-        bias = (self.num_heads + 2 * self.num_kv_heads) * hd if self.attention_bias else 0
-        return qkv + bias + self.num_heads * hd * h + 3 * h * self.intermediate_size
+    # -------------------------------------------------------------- layer kinds
+    @property
+    def attention_layers(self) -> int:
+        return self.num_layers - self.linear_layers
 
-    def layer_norm_params(self) -> int:
-        """Parameters of one layer that every TP rank holds whole (the norms)."""
-        return 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+    @property
+    def conv_dim(self) -> int:
+        """Channels of a Gated DeltaNet's conv: q, k (key heads) and v (value heads)."""
+        return (2 * self.linear_key_heads * self.linear_key_dim
+                + self.linear_value_heads * self.linear_value_dim)
+
+    def _attention_matrix(self) -> int:
+        h, hd = self.hidden_size, self.head_dim
+        q = self.num_heads * hd * (2 if self.attn_output_gate else 1)
+        bias = (self.num_heads + 2 * self.num_kv_heads) * hd if self.attention_bias else 0
+        return h * (q + 2 * self.num_kv_heads * hd) + bias + self.num_heads * hd * h
+
+    def _gdn_matrix(self) -> int:
+        """in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj of one GDN layer."""
+        h, value = self.hidden_size, self.linear_value_heads * self.linear_value_dim
+        return h * (self.conv_dim + value + 2 * self.linear_value_heads) + value * h
+
+    def _gdn_small(self) -> int:
+        """The conv weights, A_log, dt_bias and the gated norm of one GDN layer."""
+        return self.conv_dim * self.conv_kernel + 2 * self.linear_value_heads + self.linear_value_dim
+
+    # -------------------------------------------------------------- parameter counts
+    def layer_matrix_params(self, gdn_split: bool = True) -> float:
+        """Parameters of one layer that tensor parallelism splits (projections); a
+        hybrid model's layers differ, so this is their mean. ``gdn_split=False``: the
+        Gated DeltaNet is replicated over TP (homegym's Megatron model), not split."""
+        mixer = self.attention_layers * self._attention_matrix() + (
+            self.linear_layers * self._gdn_matrix() if gdn_split else 0)
+        return mixer / self.num_layers + 3 * self.hidden_size * self.intermediate_size
+
+    def layer_norm_params(self, gdn_split: bool = True) -> float:
+        """Parameters of one layer that every TP rank holds whole (norms; the mean over a
+        hybrid model's layers, a replicated Gated DeltaNet included)."""
+        qk = 2 * self.head_dim * self.attention_layers if self.qk_norm else 0
+        gdn = self.linear_layers * (self._gdn_small() + (0 if gdn_split else self._gdn_matrix()))
+        return 2 * self.hidden_size + (qk + gdn) / self.num_layers
 
     def layer_params(self) -> int:
         return self.layer_matrix_params() + self.layer_norm_params()
@@ -214,10 +277,17 @@ class ModelArch:
         projections of every layer."""
         h, hd, i = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
-        dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-        per_layer = sum(rank * (dims[m][0] + dims[m][1]) for m in target_modules if m in dims)
-        return self.num_layers * per_layer
+        gate = 2 if self.attn_output_gate else 1
+        value = self.linear_value_heads * self.linear_value_dim
+        layers = {"q_proj": (self.attention_layers, h, gate * q),
+                  "k_proj": (self.attention_layers, h, kv), "v_proj": (self.attention_layers, h, kv),
+                  "o_proj": (self.attention_layers, q, h),
+                  "in_proj_qkv": (self.linear_layers, h, self.conv_dim),
+                  "in_proj_z": (self.linear_layers, h, value),
+                  "out_proj": (self.linear_layers, value, h)}
+        layers.update({m: (self.num_layers, *d) for m, d in
+                       {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}.items()})
+        return sum(n * rank * (a + b) for m, (n, a, b) in layers.items() if m in target_modules)
 
     def num_params(self) -> int:
         embed = self.vocab_size * self.hidden_size
@@ -235,6 +305,12 @@ class ModelArch:
         h = self.hidden_size
         norm = (12 if hf else 8) * h
         attention = (12 if hf else 6) * (self.num_heads + self.num_kv_heads) * self.head_dim
+        if self.attn_output_gate:  # the gate and the gated output
+            attention += (8 if hf else 4) * self.num_heads * self.head_dim
+        if self.linear_layers:  # the mean over the layers (module docstring)
+            value = self.linear_value_heads * self.linear_value_dim
+            gdn = GDN_CONV_BYTES * self.conv_dim + GDN_VALUE_BYTES * value
+            attention = (self.attention_layers * attention + self.linear_layers * gdn) / self.num_layers
         rest = attention + 8 * self.intermediate_size
         if sequence_parallel:
             return (norm + rest) / tp
@@ -244,7 +320,16 @@ class ModelArch:
         """KV cache bytes per token on one engine GPU (KV heads split over TP, replicated
         when there are fewer KV heads than TP ranks)."""
         heads = max(1, self.num_kv_heads // tp)
-        return 2 * self.num_layers * heads * self.head_dim * dtype_bytes
+        return 2 * self.attention_layers * heads * self.head_dim * dtype_bytes
+
+    def state_bytes_per_sequence(self, tp: int = 1) -> int:
+        """A sequence's Gated DeltaNet state on one engine GPU, as SGLang keeps it: the
+        fp32 recurrent state (value heads x key dim x value dim) and the conv's last
+        kernel - 1 inputs (bf16) of every linear-attention layer; 0 for a dense model."""
+        heads = max(1, self.linear_value_heads // tp)
+        recurrent = heads * self.linear_key_dim * self.linear_value_dim * 4
+        conv = self.conv_dim // tp * (self.conv_kernel - 1) * 2
+        return self.linear_layers * (recurrent + conv)
 
 
 # Public configs of the recipes' models (Hugging Face Qwen/Qwen3-*/config.json).
@@ -258,8 +343,15 @@ BUILTIN_ARCHS: dict[str, ModelArch] = {
     "qwen3-8b": ModelArch("Qwen3-8B", hidden_size=4096, num_layers=36, num_heads=32,
                           num_kv_heads=8, head_dim=128, intermediate_size=12288,
                           vocab_size=151936, tie_word_embeddings=False),
+    # Qwen3.5-4B as slime's model script gives it (FACTS.md); intermediate_size and the tie
+    # flag are Qwen's config.json as recalled here, not read on this machine (no hub).
+    "qwen3.5-4b": ModelArch("Qwen3.5-4B", hidden_size=2560, num_layers=32, num_heads=16,
+                            num_kv_heads=4, head_dim=256, intermediate_size=9216,
+                            vocab_size=248320, tie_word_embeddings=True, attn_output_gate=True,
+                            linear_layers=24, linear_key_heads=16, linear_value_heads=32,
+                            linear_key_dim=128, linear_value_dim=128),
 }
-_BUILTIN_RE = re.compile(r"qwen3[-_]?(0\.6|4|8)b", re.IGNORECASE)
+_BUILTIN_RE = re.compile(r"qwen3(\.5|_5)?[-_]?(0\.6|4|8)b", re.IGNORECASE)
 
 
 def model_arch(config) -> tuple[ModelArch, str]:
@@ -279,8 +371,9 @@ def model_arch(config) -> tuple[ModelArch, str]:
             return (ModelArch.from_hf_config(json.load(f), name=Path(path).name or path),
                     str(cfg_file))
     match = _BUILTIN_RE.search(os.path.basename(str(path).rstrip("/")))
-    if match:
-        arch = BUILTIN_ARCHS[f"qwen3-{match.group(1)}b"]
+    key = match and f"qwen3{'.5' if match.group(1) else ''}-{match.group(2)}b"
+    if key in BUILTIN_ARCHS:
+        arch = BUILTIN_ARCHS[key]
         return arch, f"built-in {arch.name} architecture ({path} is not on this machine)"
     raise ConfigError(
         f"model.path: {path!r} has no config.json here and is not one of the built-in "
@@ -525,7 +618,9 @@ def _trainer(config, arch: ModelArch) -> _Trainer:
         sp = train.sequence_parallel
         vp = math.ceil(V / (128 * tp)) * 128 * tp  # Megatron pads the vocabulary
         per_stage = math.ceil(L / pp)
-        layers = per_stage * (arch.layer_matrix_params() / tp + arch.layer_norm_params())
+        # Gated DeltaNet layers are replicated over TP (trainer/backends/megatron).
+        layers = per_stage * (arch.layer_matrix_params(gdn_split=False) / tp
+                              + arch.layer_norm_params(gdn_split=False))
         embed = vp * h / tp
         if pp == 1:
             params = layers + embed + h + (0 if arch.tie_word_embeddings else embed)
@@ -650,8 +745,18 @@ def _engine(config, arch: ModelArch, capacity: float) -> _Engine:
     fraction = float(_sglang_arg(extra, "--mem-fraction-static") or r.mem_fraction_static)
     kv_token = arch.kv_bytes_per_token(tp, kv_bytes)
     kv_pool = fraction * capacity - weights
-    max_tokens = _sglang_arg(extra, "--max-total-tokens") or getattr(r, "sglang_max_total_tokens", None)
     pool_note = f"mem_fraction_static {fraction:g} x GPU - engine weights"
+    slot = arch.state_bytes_per_sequence(tp)
+    states = 0.0
+    if slot:  # a hybrid model: SGLang gives the recurrent states ratio x the KV memory
+        ratio = float(_sglang_arg(extra, "--mamba-full-memory-ratio") or MAMBA_FULL_MEMORY_RATIO)
+        states = max(kv_pool, 0.0) * ratio / (1 + ratio)
+        cap_slots = _sglang_arg(extra, "--max-mamba-cache-size")
+        if cap_slots:
+            states = min(states, int(cap_slots) * slot)
+        kv_pool = kv_pool - states
+        pool_note += f" - recurrent states (--mamba-full-memory-ratio {ratio:g})"
+    max_tokens = _sglang_arg(extra, "--max-total-tokens") or getattr(r, "sglang_max_total_tokens", None)
     if max_tokens and int(max_tokens) * kv_token < kv_pool:
         kv_pool = int(max_tokens) * kv_token
         pool_note = f"--max-total-tokens {int(max_tokens)} x {kv_token} B"
@@ -677,6 +782,9 @@ def _engine(config, arch: ModelArch, capacity: float) -> _Engine:
         kept.append(graph_item)
     active = [Item("engine weights", weights, f"{dtype}, {_count(params)} params/GPU (TP {tp})"),
               Item("engine KV cache pool", max(kv_pool, 0.0), pool_note),
+              *([Item("engine recurrent states", states,
+                      f"{int(states // slot)} slots x {slot / MiB:.1f} MiB (fp32 state + conv "
+                      f"tail of {arch.linear_layers} GDN layers per sequence)")] if slot else []),
               kept[0], graph_item,
               Item("engine prefill activations", prefill, f"one {chunk}-token prefill chunk")]
     pool_tokens = max(kv_pool, 0.0) / kv_token
@@ -685,6 +793,16 @@ def _engine(config, arch: ModelArch, capacity: float) -> _Engine:
                f"engines = {requests} requests x model.max_context_len={context} need "
                f"{kv_need / GiB:.1f} GiB ({requests * context / 1e3:.0f}k tokens)"]
     notes = []
+    if slot:
+        slots = int(states // slot)
+        summary.append(
+            f"recurrent states: {slots} slots of {slot / MiB:.1f} MiB per engine (a running "
+            f"request holds one, cached prefixes more) for {requests} requests in flight; "
+            f"KV only for the {arch.attention_layers} full-attention layers of {arch.num_layers}")
+        if slots < requests:
+            notes.append(f"the engines' recurrent-state pool holds {slots} sequences, fewer than "
+                         f"the {requests} requests in flight per engine: SGLang queues the rest "
+                         "(raise --mamba-full-memory-ratio or rollout.mem_fraction_static)")
     if pool_tokens < context:
         notes.append(f"the engines' KV pool ({max(kv_pool, 0) / GiB:.2f} GiB per GPU) cannot hold "
                      f"one model.max_context_len={context} request: SGLang would refuse to start "
