@@ -80,7 +80,7 @@ def test_seed_qwen3_5_recipe_call_ports_with_only_its_imports_changed(monkeypatc
     assert cfg.model.path == "/models/Qwen3.5-4B" and cfg.model.dtype == "bfloat16"
     assert (cfg.cluster.num_nodes, cfg.cluster.gpus_per_node, cfg.cluster.colocate) == (1, 8, True)
     assert (cfg.train.world_size, cfg.train.tensor_model_parallel_size) == (8, 1)
-    assert (cfg.rollout.num_gpus, cfg.rollout.num_gpus_per_engine, cfg.num_engines) == (8, 1, 8)
+    assert (cfg.rollout.num_gpus, cfg.rollout.num_gpus_per_engine, cfg.derived.num_engines) == (8, 1, 8)
     assert (cfg.train.num_steps, cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size,
             cfg.rollout.max_response_len, cfg.train.save_interval) == (1, 4, 8, 2048, 5)
 

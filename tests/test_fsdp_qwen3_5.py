@@ -42,8 +42,8 @@ def _backend_child(out: str) -> None:
     import torch.distributed as dist
 
     from rollout.models import resolve_model_path
-    from trainer.backends.fsdp import FSDPBackend
-    from trainer.checkpoint import export_hf
+    from trainer.training.backends.fsdp import FSDPBackend
+    from trainer.driver.checkpoint import export_hf
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     batch, weights = _batch(), _weights(_batch())
@@ -141,7 +141,7 @@ def test_export_is_a_full_qwen3_5_checkpoint_and_pushes_keep_a_log_fp32(
     from safetensors import safe_open
     from transformers import Qwen3_5ForConditionalGeneration
 
-    from trainer.hf_export import base_tensor_files
+    from trainer.driver.hf_export import base_tensor_files
 
     trained = backend_results["trained"]
     out = backend_results["hf_dir"]

@@ -317,7 +317,7 @@ def test_hybrid_architecture_counts_what_the_model_holds(tiny_qwen3_5_path):
     layer only, and every GDN layer keeps a recurrent state and a conv tail per sequence."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.backends.lora import apply_lora
+    from trainer.training.backends.lora import apply_lora
 
     config = compose_config(TOY_OVERRIDES + ["model.path=tiny-qwen3_5"])
     arch, source = model_arch(config)
@@ -347,7 +347,8 @@ def test_qwen3_5_4b_recipe_plans_state_slots():
     states, kv = rollout.get("engine recurrent states"), rollout.get("engine KV cache pool")
     assert states == pytest.approx(0.9 * kv)
     assert f"{int(states // slot)} slots x 49.1 MiB" in plan.table()
-    fewer = plan_memory(compose_config(["+recipe=qwen3_5_4b",
-                                        "rollout.sglang_args=[--max-mamba-cache-size,10]"]))
-    assert fewer.phase("rollout").get("engine recurrent states") == 10 * slot
-    assert any("recurrent-state pool holds 10 sequences" in n for n in fewer.notes)
+    for cap in ("rollout.sglang_max_mamba_cache_size=10",
+                "rollout.sglang_args=[--max-mamba-cache-size,10]"):
+        fewer = plan_memory(compose_config(["+recipe=qwen3_5_4b", cap]))
+        assert fewer.phase("rollout").get("engine recurrent states") == 10 * slot
+        assert any("recurrent-state pool holds 10 slots" in n for n in fewer.notes)

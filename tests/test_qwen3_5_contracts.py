@@ -21,7 +21,7 @@ def test_lora_on_gated_deltanet_projections_merges_to_the_same_model(tiny_qwen3_
     """LoRA on the GDN projections (in_proj_qkv, in_proj_z, out_proj) as well as attention
     and MLP: homegym's GDN runs through peft's layers, and the merged weights (what engines
     receive) give the adapted model's logits."""
-    from trainer.backends.lora import apply_lora, merged_tensors
+    from trainer.training.backends.lora import apply_lora, merged_tensors
 
     lora = make_config(train={"lora": {"rank": 4, "alpha": 8, "target_modules": GDN_TARGETS}}).train.lora
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_5_path, dtype=torch.float32)
@@ -132,7 +132,7 @@ def test_exported_names_are_what_sglang_loads(tiny_qwen3_5_path):
     vision tower goes to ``visual``."""
     from sglang_source import SglangSourceUnavailable, source_text
 
-    from trainer.hf_export import base_tensor_files
+    from trainer.driver.hf_export import base_tensor_files
 
     try:
         source, moe = source_text(SGLANG, QWEN3_5), source_text(SGLANG, QWEN2_MOE)

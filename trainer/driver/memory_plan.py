@@ -106,6 +106,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from config import ConfigError
+from rollout.engines.sglang_serving import SGLANG_MAMBA_FULL_MEMORY_RATIO, SLOTS_PER_REQUEST
 
 GiB = 2**30
 MiB = 2**20
@@ -131,8 +132,6 @@ CKPT_FACTOR = 2              # activation checkpointing: a layer's bf16 input pe
 # kernel's fp32 output, z and the gated norm's bf16 output (10 per value channel).
 GDN_CONV_BYTES = 8
 GDN_VALUE_BYTES = 10
-# SGLang's default --mamba-full-memory-ratio: recurrent-state memory / KV cache memory.
-MAMBA_FULL_MEMORY_RATIO = 0.9
 # Logits, bytes per vocabulary entry: bf16 output + its fp32 copy of every position of
 # the micro-batch (Megatron computes all), and three fp32 working copies of the response
 # rows (the selected rows, shifted, exp; or their gradients in backward).
@@ -749,9 +748,12 @@ def _engine(config, arch: ModelArch, capacity: float) -> _Engine:
     slot = arch.state_bytes_per_sequence(tp)
     states = 0.0
     if slot:  # a hybrid model: SGLang gives the recurrent states ratio x the KV memory
-        ratio = float(_sglang_arg(extra, "--mamba-full-memory-ratio") or MAMBA_FULL_MEMORY_RATIO)
+        ratio = float(getattr(r, "sglang_mamba_full_memory_ratio", None)
+                      or _sglang_arg(extra, "--mamba-full-memory-ratio")
+                      or SGLANG_MAMBA_FULL_MEMORY_RATIO)
         states = max(kv_pool, 0.0) * ratio / (1 + ratio)
-        cap_slots = _sglang_arg(extra, "--max-mamba-cache-size")
+        cap_slots = (getattr(r, "sglang_max_mamba_cache_size", None)
+                     or _sglang_arg(extra, "--max-mamba-cache-size"))
         if cap_slots:
             states = min(states, int(cap_slots) * slot)
         kv_pool = kv_pool - states
@@ -795,14 +797,16 @@ def _engine(config, arch: ModelArch, capacity: float) -> _Engine:
     notes = []
     if slot:
         slots = int(states // slot)
+        need = requests * SLOTS_PER_REQUEST
         summary.append(
-            f"recurrent states: {slots} slots of {slot / MiB:.1f} MiB per engine (a running "
-            f"request holds one, cached prefixes more) for {requests} requests in flight; "
-            f"KV only for the {arch.attention_layers} full-attention layers of {arch.num_layers}")
-        if slots < requests:
-            notes.append(f"the engines' recurrent-state pool holds {slots} sequences, fewer than "
-                         f"the {requests} requests in flight per engine: SGLang queues the rest "
-                         "(raise --mamba-full-memory-ratio or rollout.mem_fraction_static)")
+            f"recurrent states: {slots} slots of {slot / MiB:.1f} MiB per engine; {requests} "
+            f"requests in flight hold {SLOTS_PER_REQUEST} each ({need}); KV only for the "
+            f"{arch.attention_layers} full-attention layers of {arch.num_layers}")
+        if slots < need:
+            notes.append(f"the engines' recurrent-state pool holds {slots} slots, fewer than the "
+                         f"{need} that {requests} running requests per engine hold: SGLang queues "
+                         "the rest (raise rollout.sglang_mamba_full_memory_ratio or "
+                         "rollout.mem_fraction_static)")
     if pool_tokens < context:
         notes.append(f"the engines' KV pool ({max(kv_pool, 0) / GiB:.2f} GiB per GPU) cannot hold "
                      f"one model.max_context_len={context} request: SGLang would refuse to start "
