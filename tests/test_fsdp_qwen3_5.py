@@ -41,6 +41,7 @@ def _backend_child(out: str) -> None:
     """Child: per layout, log-probs (eval) and the gradient of sum(w * log-probs) (train)."""
     import torch.distributed as dist
 
+    from rollout.modeling.hybrid import HomegymGatedDeltaNet
     from rollout.models import resolve_model_path
     from trainer.training.backends.fsdp import FSDPBackend
     from trainer.driver.checkpoint import export_hf
@@ -63,6 +64,15 @@ def _backend_child(out: str) -> None:
             w = torch.cat([weights[i] for i in mb.sample_ids])
             (logp * w).sum().backward()
         res[share]["grads"] = {n: p.grad.full_tensor().clone() for n, p in b.model.named_parameters()}
+    # bf16 compute: the GDN's A_log stays fp32 (its own FSDP unit), the projections go bf16.
+    seen = []
+    b16 = FSDPBackend()
+    b16.init(make_config(model={"path": "tiny-qwen3_5", "dtype": "bfloat16"},
+                         train={"max_tokens_per_micro_batch": 300}), 0, 1)
+    gdn = next(m for m in b16.model.modules() if isinstance(m, HomegymGatedDeltaNet))
+    gdn.register_forward_pre_hook(lambda m, args: seen.append(
+        (m.A_log.dtype, m.dt_bias.dtype, m.in_proj_qkv.weight.dtype)))
+    res["bf16_log_probs"], res["bf16_dtypes"] = b16.log_probs(batch), seen[0]
     # The policy after one optimizer step (differs from the base), exported and pushed.
     b._optimizer_step()
     buckets = list(b.named_weight_buckets(1 << 16))
@@ -165,3 +175,13 @@ def test_export_is_a_full_qwen3_5_checkpoint_and_pushes_keep_a_log_fp32(
         keep = name.endswith(".A_log")
         assert tensor.dtype == (torch.float32 if keep else torch.bfloat16), name
         assert torch.equal(tensor, trained[name] if keep else trained[name].bfloat16()), name
+
+
+@pytest.mark.slow
+def test_bf16_training_keeps_the_decay_rate_fp32(backend_results, tiny_qwen3_5_path):
+    """model.dtype=bfloat16: the projections compute in bf16, A_log in fp32 (as engines
+    and checkpoints hold it); log-probs stay within bf16 rounding of the fp32 ones."""
+    a_log, dt_bias, proj = backend_results["bf16_dtypes"]
+    assert (a_log, proj) == (torch.float32, torch.bfloat16)
+    for got, want in zip(backend_results["bf16_log_probs"], backend_results[True]["log_probs"]):
+        assert (got - want).abs().max() < 0.1  # bf16 noise here; a broken GDN is off by ~1

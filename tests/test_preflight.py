@@ -330,3 +330,26 @@ def test_sequence_parallel_on_cpu_megatron_is_refused():
     with pytest.raises(ConfigError, match=r"^train\.sequence_parallel: true needs"):
         check_backend(config)
     check_backend(compose_config("train.backend=megatron"))  # no sequence parallelism: fine
+
+
+def test_training_a_hybrid_model_the_backend_cannot_run_exactly_is_refused(
+        tmp_path, tiny_model_path, tiny_qwen3_5_path, monkeypatch):
+    """Qwen3.5 on Megatron (no Gated DeltaNet there) stops with exit 2 and one line; a hybrid
+    architecture whose linear attention homegym's trainer does not run (transformers'
+    kernels: no packed sequences, no states) is refused; Qwen3.5 on FSDP passes."""
+    from config import ConfigError
+    from trainer.driver.preflight import preflight
+
+    run = main_exit(tmp_path, "model.path=tiny-qwen3_5", "train.backend=megatron")
+    _assert_one_line_error(run, "train.backend", "megatron does not build qwen3_5_text's")
+    preflight(compose_config("model.path=tiny-qwen3_5"))
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: avx2 avx512f avx512bw amx_tile amx_bf16\n")
+    monkeypatch.setenv("SGLANG_CPU_CPUINFO", str(cpuinfo))
+    nxt = _checkpoint(tmp_path, tiny_model_path, {
+        "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+        "layer_types": ["linear_attention", "full_attention"]})
+    with pytest.raises(ConfigError, match=r"^model.path: .* hybrid qwen3_next model: .*"
+                                          r"change the numbers$"):
+        preflight(compose_config(f"model.path={nxt}", "rollout.engine=sglang",
+                                 "rollout.dtype=bfloat16"))

@@ -264,8 +264,11 @@ def _projections(layer, hidden: torch.Tensor):
     z = layer.in_proj_z(hidden)
     beta = layer.in_proj_b(hidden).sigmoid()
     # At least fp32 decay (as transformers): in bf16, exp(A_log) and softplus lose small decays.
+    # A_log is used as held (fp32 in checkpoints and SGLang); dt_bias in the compute dtype,
+    # as a model loaded in that dtype (SGLang, transformers) holds it.
     dtype = torch.promote_types(hidden.dtype, torch.float32)
-    g = -layer.A_log.to(dtype).exp() * F.softplus(layer.in_proj_a(hidden).to(dtype) + layer.dt_bias)
+    dt_bias = layer.dt_bias.to(hidden.dtype).to(dtype)
+    g = -layer.A_log.to(dtype).exp() * F.softplus(layer.in_proj_a(hidden).to(dtype) + dt_bias)
     return mixed, z, beta, g
 
 

@@ -21,6 +21,9 @@ actor as a remote traceback:
   after every weight update (not while requests wait in place);
 - what the training backend needs is installed here (Megatron's sequence parallelism:
   Transformer Engine), before any engine or rank starts.
+- the training backend runs the model's layers exactly: a hybrid model's Gated DeltaNet
+  layers are homegym's (packed sequences and shared prefixes with per-sequence state) on
+  FSDP for Qwen3.5 only; any other runs transformers' kernels, which take neither.
 
 Each problem is a ``ConfigError`` whose one-line message starts with the key. Nothing here
 loads a torch model, a tokenizer or a whole data file.
@@ -51,6 +54,7 @@ def preflight(config: HomegymConfig) -> None:
     check_data(config, env_cls)
     check_model(config)
     check_engine(config)
+    check_training(config)
 
 
 def _fail(key: str, message: str) -> ConfigError:
@@ -386,3 +390,31 @@ def check_engine(config: HomegymConfig) -> None:
                     "must be flushed after every update, and an engine flushes only when no "
                     "request waits in place; set rollout.update_in_flight=abort (or "
                     "cluster.colocate=true)")
+
+
+# ----------------------------------------------------------------------- training
+# Hybrid text models whose linear-attention layers homegym's trainer runs itself
+# (rollout/modeling/hybrid.py: the Qwen3.5 Gated DeltaNet layout).
+TRAINER_HYBRID_TYPES = ("qwen3_5_text",)
+
+
+def check_training(config: HomegymConfig) -> None:
+    """What the training backend would run differently from the model (never silently)."""
+    from rollout.checkpoints import is_hybrid, text_config
+    from rollout.models import HYBRID_BUILTINS
+
+    model = _model_config(config)
+    if not (is_hybrid(model) or (not model and config.model.path in HYBRID_BUILTINS)):
+        return
+    kind = text_config(model).get("model_type", "qwen3_5_text") if model else "qwen3_5_text"
+    if config.train.backend == "megatron":
+        raise _fail("train.backend", f"megatron does not build {kind}'s Gated DeltaNet layers "
+                    "(trainer/training/backends/megatron maps Llama, Qwen2 and Qwen3); use "
+                    "train.backend=fsdp, which trains Qwen3.5 with packed sequences and shared "
+                    "prefixes")
+    if kind not in TRAINER_HYBRID_TYPES:
+        raise _fail("model.path", f"{config.model.path!r} is a hybrid {kind} model: homegym's "
+                    f"trainer runs the linear-attention layers of {', '.join(TRAINER_HYBRID_TYPES)} "
+                    "only, and transformers' own kernels for them take no packed sequences "
+                    "(cu_seqlens) or per-sequence states, so packed or shared-prefix batches "
+                    "would change the numbers")

@@ -27,7 +27,8 @@ from trainer.training.backends.batching import (
     plan_step)
 from trainer.training.backends import packed_attention, packed_gdn
 from trainer.training.backends.rl_step import StepLoop, per_sample_log_probs
-from rollout.modeling.hybrid import transfer_dtype, use_homegym_gdn
+from rollout.checkpoints import is_hybrid, read_config
+from rollout.modeling.hybrid import HomegymGatedDeltaNet, transfer_dtype, use_homegym_gdn
 from rollout.models import cache_kwarg, keeps_boolean_logits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -103,7 +104,8 @@ class FSDPBackend(StepLoop):
         dtype = _DTYPES[cfg.dtype]
         # Master weights stay fp32 (AdamW on bf16 weights loses small updates); a lower
         # model.dtype becomes FSDP's compute dtype. The reference model never steps.
-        load_dtype = torch.float32 if trainable else dtype
+        # A hybrid reference too: its fp32 A_log must not round through bf16 on loading.
+        load_dtype = torch.float32 if trainable or is_hybrid(read_config(path)) else dtype
         # Shared prefixes need their own attention (SDPA over re-padded packed suffixes).
         attn = (packed_attention.register() if self.share_prompts
                 else cfg.attn_implementation)
@@ -123,6 +125,8 @@ class FSDPBackend(StepLoop):
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         layers = getattr(getattr(model, "model", model), "layers", [])
         for layer in layers:
+            if dtype != torch.float32:
+                self._keep_gdn_decay_fp32(layer, mp)
             fully_shard(layer, mesh=self.mesh, mp_policy=mp)
         fully_shard(model, mesh=self.mesh, mp_policy=mp)
         model.to(self.device)
@@ -130,6 +134,24 @@ class FSDPBackend(StepLoop):
             model.eval()
             model.requires_grad_(False)
         return model
+
+    def _keep_gdn_decay_fp32(self, layer: torch.nn.Module, mp) -> None:
+        """A Gated DeltaNet's own parameters (A_log, dt_bias) in their own FSDP unit with
+        fp32 compute, its projections, conv and norm in ``mp``'s: engines and checkpoints
+        keep A_log in fp32 (SGLang 0.5.18 qwen3_5.py), and one FSDP unit casts all of its
+        parameters to the compute dtype. dt_bias is rounded to the compute dtype where it is
+        used (rollout.modeling.gated_deltanet), as an engine holding it in bf16 has it."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # Inputs pass as they are: the projections cast them to the compute dtype.
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                    cast_forward_inputs=False)
+        for module in layer.modules():
+            if isinstance(module, HomegymGatedDeltaNet):
+                for child in module.children():
+                    if any(True for _ in child.parameters()):
+                        fully_shard(child, mesh=self.mesh, mp_policy=mp)
+                fully_shard(module, mesh=self.mesh, mp_policy=fp32)
 
     # ----------------------------------------------------------------- forward passes
     def _micro_batch(self, batch: BatchLike, sample_ids: list[int]) -> MicroBatch:
