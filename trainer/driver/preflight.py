@@ -22,8 +22,9 @@ actor as a remote traceback:
 - what the training backend needs is installed here (Megatron's sequence parallelism:
   Transformer Engine), before any engine or rank starts.
 - the training backend runs the model's layers exactly: a hybrid model's Gated DeltaNet
-  layers are homegym's (packed sequences and shared prefixes with per-sequence state) on
-  FSDP for Qwen3.5 only; any other runs transformers' kernels, which take neither.
+  layers are homegym's (packed sequences and shared prefixes with per-sequence state) for
+  Qwen3.5 only, any other would run transformers' kernels, which take neither; on Megatron
+  they are built on the local layer spec, which has no sequence parallelism.
 
 Each problem is a ``ConfigError`` whose one-line message starts with the key. Nothing here
 loads a torch model, a tokenizer or a whole data file.
@@ -407,14 +408,14 @@ def check_training(config: HomegymConfig) -> None:
     if not (is_hybrid(model) or (not model and config.model.path in HYBRID_BUILTINS)):
         return
     kind = text_config(model).get("model_type", "qwen3_5_text") if model else "qwen3_5_text"
-    if config.train.backend == "megatron":
-        raise _fail("train.backend", f"megatron does not build {kind}'s Gated DeltaNet layers "
-                    "(trainer/training/backends/megatron maps Llama, Qwen2 and Qwen3); use "
-                    "train.backend=fsdp, which trains Qwen3.5 with packed sequences and shared "
-                    "prefixes")
     if kind not in TRAINER_HYBRID_TYPES:
         raise _fail("model.path", f"{config.model.path!r} is a hybrid {kind} model: homegym's "
                     f"trainer runs the linear-attention layers of {', '.join(TRAINER_HYBRID_TYPES)} "
                     "only, and transformers' own kernels for them take no packed sequences "
                     "(cu_seqlens) or per-sequence states, so packed or shared-prefix batches "
                     "would change the numbers")
+    if config.train.backend == "megatron" and config.train.sequence_parallel:
+        raise _fail("train.sequence_parallel", f"true with a hybrid model ({kind}) on "
+                    "train.backend=megatron: its layers are built on megatron-core's local "
+                    "layer spec (trainer/training/backends/megatron/hybrid.py), whose torch "
+                    "norms have no sequence parallelism; set train.sequence_parallel=false")

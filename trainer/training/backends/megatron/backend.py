@@ -40,6 +40,7 @@ import torch.distributed as dist
 from trainer.training.backends.base import NamedTensors, bucketed
 from trainer.training.backends.batching import (
     BatchLike, MicroBatch, build_micro_batch, check_batch, plan_step)
+from rollout.modeling.hybrid import transfer_dtype
 from trainer.training.backends.megatron import hf_map
 from trainer.training.backends.rl_step import StepLoop, per_sample_log_probs
 
@@ -103,10 +104,15 @@ class MegatronBackend(StepLoop):
         from trainer.training.backends.megatron import model as M
         from rollout.models import resolve_model_path
 
+        path = resolve_model_path(model.path, model.cache_dir)
+        # A vision-language checkpoint (Qwen3.5): its text model is what trains.
+        self.hf = AutoConfig.from_pretrained(path).get_text_config()
         # Layer spec and fused kernels: decided (and sequence_parallel refused without TE)
-        # before any process group or model exists.
+        # before any process group or model exists. Qwen3.5's layers are built on the
+        # local spec (trainer/training/backends/megatron/hybrid.py).
         self.kernels = M.kernel_plan(device="cpu" if self.cpu else "cuda",
-                                     te_available=M.have_transformer_engine(),
+                                     te_available=M.have_transformer_engine()
+                                     and not hf_map.is_qwen3_5(self.hf),
                                      fused_softmax_available=M.have_apex_fused_softmax(),
                                      sequence_parallel=train.sequence_parallel)
         if self.kernels.note and rank == 0:
@@ -128,9 +134,7 @@ class MegatronBackend(StepLoop):
         self.use_te = self.kernels.use_te
         self.packed = self.kernels.packed  # THD packing needs TE's attention
 
-        path = resolve_model_path(model.path, model.cache_dir)
         self.model_path = path
-        self.hf = AutoConfig.from_pretrained(path)
         self.vocab_size = self.hf.vocab_size
         self.padded_vocab = hf_map.padded_vocab_size(
             self.vocab_size, M.vocab_multiple(self.tp_size, self.cpu))
@@ -193,7 +197,14 @@ class MegatronBackend(StepLoop):
         if self.tconfig.bf16 or self.tconfig.fp16:
             from megatron.core.transformer.module import Float16Module
 
-            return Float16Module(self.tconfig, gpt)
+            wrapped = Float16Module(self.tconfig, gpt)
+            if hf_map.is_qwen3_5(self.hf):  # Float16Module cast every parameter
+                from trainer.training.backends.megatron.hybrid import restore_fp32
+
+                from trainer.training.backends.megatron import model as M
+
+                restore_fp32(gpt, self.ckpt, M.layer_offset(gpt))
+            return wrapped
         return gpt
 
     # ----------------------------------------------------------------- forward passes
@@ -403,7 +414,8 @@ class MegatronBackend(StepLoop):
                     shard = shard.to(tp_device)
                 full = M.gather_tp(name, shard)
                 pairs = hf_map.to_hf(self.hf, name, full, te_names=self.use_te, tied=tied)
-                pairs = [(n, t.to(stage_device, dtype=self.export_dtype, copy=True).contiguous())
+                pairs = [(n, t.to(stage_device, dtype=transfer_dtype(n, self.export_dtype),
+                                  copy=True).contiguous())
                          for n, t in pairs]
             else:
                 pairs = None

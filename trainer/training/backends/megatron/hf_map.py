@@ -1,4 +1,5 @@
-"""Hugging Face <-> Megatron-core for the Llama family (Llama, Qwen2, Qwen3): config and weights.
+"""Hugging Face <-> Megatron-core for the Llama family (Llama, Qwen2, Qwen3) and Qwen3.5's
+text model: config and weights.
 
 Written once for the family instead of using ``mbridge`` (0.15.1 imports here, but it
 hard-codes the Transformer Engine layer spec and CUDA devices in load/export, so it
@@ -21,6 +22,12 @@ groups together, which is what Megatron's ColumnParallelLinear expects. The MLP'
 Layer norms: the local spec has ``input_layernorm`` / ``pre_mlp_layernorm`` modules; the
 Transformer Engine spec fuses them into ``linear_qkv.layer_norm_weight`` /
 ``linear_fc1.layer_norm_weight``. ``te_names=True`` selects the latter.
+
+Qwen3.5 (``qwen3_5_text``, trainer/training/backends/megatron/hybrid.py): its gated
+attention's HF ``q_proj`` holds per head [query; gate]; Megatron's ``linear_qkv`` with
+``attention_output_gate`` holds per query group [queries, gates, key, value]. Its Gated
+DeltaNet layers are HF-layout modules in ``self_attention`` (names as in transformers,
+replicated over TP), and every (1 + w) RMSNorm keeps HF's stored w.
 """
 
 from __future__ import annotations
@@ -31,7 +38,25 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "qwen3_5_text")
+# Gated DeltaNet tensors under ``self_attention.`` (Megatron) / ``linear_attn.`` (HF).
+GDN_TENSORS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+               "conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
+
+
+def is_qwen3_5(hf) -> bool:
+    return hf.model_type == "qwen3_5_text"
+
+
+def layer_types(hf) -> list[str]:
+    """Each layer's kind: ``full_attention`` or (Qwen3.5) ``linear_attention``."""
+    return list(getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers)
+
+
+def _partial_rotary(hf) -> float:
+    params = getattr(hf, "rope_parameters", None) or {}
+    return float(params.get("partial_rotary_factor")
+                 or getattr(hf, "partial_rotary_factor", None) or 1.0)
 
 
 def _rope_theta(hf) -> float:
@@ -81,7 +106,8 @@ def transformer_config_kwargs(hf) -> dict:
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=bool(getattr(hf, "attention_bias", hf.model_type == "qwen2")),
-        qk_layernorm=hf.model_type == "qwen3",
+        qk_layernorm=hf.model_type in ("qwen3", "qwen3_5_text"),
+        attention_output_gate=is_qwen3_5(hf),
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
@@ -94,6 +120,7 @@ def model_kwargs(hf, padded_vocab_size: int) -> dict:
                 position_embedding_type="rope",
                 rotary_base=_rope_theta(hf),
                 share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
+                rotary_percent=_partial_rotary(hf),
                 **_rope_scaling(hf))
 
 
@@ -133,6 +160,9 @@ def hf_names_of(mg_name: str, *, te_names: bool, tied: bool) -> list[str]:
         raise KeyError(f"no HF name for Megatron tensor {mg_name!r}")
     layer, suffix = m.groups()
     hf = f"model.layers.{layer}."
+    gdn = suffix.removeprefix("self_attention.")
+    if gdn in GDN_TENSORS:
+        return [hf + "linear_attn." + gdn]
     if suffix == "self_attention.linear_qkv.weight":
         return [hf + f"self_attn.{p}_proj.weight" for p in "qkv"]
     if suffix == "self_attention.linear_qkv.bias":
@@ -152,22 +182,30 @@ def _qkv_groups(hf) -> tuple[int, int, int]:
 
 
 def fuse_qkv(hf, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """HF q/k/v (weights [out, in] or biases [out]) -> Megatron's per-group layout."""
+    """HF q/k/v (weights [out, in] or biases [out]) -> Megatron's per-group layout (with an
+    output gate: HF's per-head [query; gate] rows -> per group [queries, gates, k, v])."""
     groups, per_group, d = _qkv_groups(hf)
     rest = q.shape[1:]
-    q = q.reshape(groups, per_group * d, *rest)
+    if is_qwen3_5(hf):
+        heads = q.reshape(groups, per_group, 2, d, *rest)
+        q = torch.cat([heads[:, :, 0], heads[:, :, 1]], dim=1)  # [groups, 2 x per_group, d]
+        q = q.reshape(groups, 2 * per_group * d, *rest)
+    else:
+        q = q.reshape(groups, per_group * d, *rest)
     k = k.reshape(groups, d, *rest)
     v = v.reshape(groups, d, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(groups * (per_group + 2) * d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
 def split_qkv(hf, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     groups, per_group, d = _qkv_groups(hf)
     rest = qkv.shape[1:]
-    grouped = qkv.reshape(groups, (per_group + 2) * d, *rest)
-    q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
-    return (q.reshape(groups * per_group * d, *rest), k.reshape(groups * d, *rest),
-            v.reshape(groups * d, *rest))
+    width = 2 * per_group if is_qwen3_5(hf) else per_group
+    grouped = qkv.reshape(groups, (width + 2) * d, *rest)
+    q, k, v = torch.split(grouped, [width * d, d, d], dim=1)
+    if is_qwen3_5(hf):  # [queries, gates] of a group -> per head [query; gate]
+        q = q.reshape(groups, 2, per_group, d, *rest).transpose(1, 2)
+    return (q.reshape(-1, *rest), k.reshape(groups * d, *rest), v.reshape(groups * d, *rest))
 
 
 def to_megatron(hf, mg_name: str, tensors: list[torch.Tensor], padded_vocab: int) -> torch.Tensor:
@@ -247,13 +285,19 @@ def megatron_names(hf, *, te_names: bool, layers: Iterable[int], pre_process: bo
     out = ["embedding.word_embeddings.weight"] if pre_process else []
     names = _layer_names(te_names)
     inv = {v: k for k, v in names.items()}
+    kinds = layer_types(hf)
     for i in layers:
         p = f"decoder.layers.{i}."
         out.append(p + inv["input_layernorm.weight"])
+        if kinds[i] == "linear_attention":
+            out += [p + "self_attention." + n for n in GDN_TENSORS]
+            out.append(p + inv["post_attention_layernorm.weight"])
+            out += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+            continue
         out.append(p + "self_attention.linear_qkv.weight")
         if transformer_config_kwargs(hf)["add_qkv_bias"]:
             out.append(p + "self_attention.linear_qkv.bias")
-        if hf.model_type == "qwen3":
+        if hf.model_type in ("qwen3", "qwen3_5_text"):
             out += [p + "self_attention.q_layernorm.weight",
                     p + "self_attention.k_layernorm.weight"]
         out.append(p + "self_attention.linear_proj.weight")

@@ -178,8 +178,16 @@ def build_gpt(hf, config, *, use_te: bool, padded_vocab: int):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    spec = layer_spec(config, use_te=use_te, num_layers=get_num_layers_to_build(config))
+    if hf_map.is_qwen3_5(hf):  # layers differ: gated attention or an HF-layout Gated DeltaNet
+        from trainer.training.backends.megatron.hybrid import layer_specs
+
+        spec = layer_specs(config, hf, layer_types=hf_map.layer_types(hf),
+                           offset=get_transformer_layer_offset(config),
+                           num_layers=get_num_layers_to_build(config))
+    else:
+        spec = layer_spec(config, use_te=use_te, num_layers=get_num_layers_to_build(config))
     return GPTModel(config=config, transformer_layer_spec=spec,
                     pre_process=parallel_state.is_pipeline_first_stage(),
                     post_process=parallel_state.is_pipeline_last_stage(),
@@ -238,6 +246,9 @@ class HFCheckpoint:
         return list(self.files)
 
     def get(self, name: str) -> torch.Tensor:
+        if name not in self.files and name.startswith("model."):
+            # A vision-language checkpoint (Qwen3.5) keeps its text model one level down.
+            name = "model.language_model." + name[len("model."):]
         fname = self.files[name]
         if fname not in self._handles:
             self._handles[fname] = self._open(os.path.join(self.path, fname), "pt")
