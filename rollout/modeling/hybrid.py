@@ -99,12 +99,6 @@ def _homegym_class(cls: type) -> type:
     return type(f"Homegym{cls.__name__}", (HomegymGatedDeltaNet, cls), {})
 
 
-def is_hybrid(config) -> bool:
-    """Whether a transformers config has linear-attention layers."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return "linear_attention" in (getattr(text, "layer_types", None) or ())
-
-
 # Parameters that stay fp32 in checkpoints and engines whatever the model's dtype: the GDN
 # decay rate (SGLang 0.5.18's qwen3_5.py declares A_log float32; exp(A_log) in bf16 loses
 # the small decays). Pushing them in bf16 would change the engine's numbers.
