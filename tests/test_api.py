@@ -69,9 +69,9 @@ def test_seed_qwen3_5_recipe_call_ports_with_only_its_imports_changed(monkeypatc
     +recipe=qwen3_5_4b with those values (1 x 8 H100, colocated, TP 1)."""
     from trainer.api import Qwen3_5_4B, Qwen3_5_4B_Recipe
 
-    assert TrainConfig(model=Qwen3_5_4B(), recipe=Qwen3_5_4B_Recipe()).build() == cli_config(
+    assert TrainJob(model=Qwen3_5_4B(), recipe=Qwen3_5_4B_Recipe()).build() == cli_config(
         monkeypatch, "+recipe=qwen3_5_4b")
-    cfg = TrainConfig(model=Qwen3_5_4B(), recipe=Qwen3_5_4B_Recipe(
+    cfg = TrainJob(model=Qwen3_5_4B(), recipe=Qwen3_5_4B_Recipe(
         gpu_type="H100", actor_num_nodes=1, actor_num_gpus_per_node=8,
         tensor_model_parallel_size=1, sequence_parallel=False, rollout_num_gpus=8,
         rollout_num_gpus_per_engine=1, colocate=True, num_rollout=1, n_samples_per_prompt=4,

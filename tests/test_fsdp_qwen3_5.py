@@ -43,6 +43,7 @@ def _backend_child(out: str) -> None:
 
     from rollout.modeling.hybrid import HomegymGatedDeltaNet
     from rollout.models import resolve_model_path
+    from trainer.driver import components
     from trainer.training.backends.fsdp import FSDPBackend
     from trainer.driver.checkpoint import export_hf
 
@@ -51,8 +52,9 @@ def _backend_child(out: str) -> None:
     res = {}
     for share in (True, False):
         b = FSDPBackend()
-        b.init(make_config(model={"path": "tiny-qwen3_5"},
-                           train={"share_prompts": share, "max_tokens_per_micro_batch": 300}), 0, 1)
+        b.init(rank=0, world_size=1, **components.backend_args(make_config(
+            model={"path": "tiny-qwen3_5"},
+            train={"share_prompts": share, "max_tokens_per_micro_batch": 300})))
         plan = b._plan(batch, None)[0]
         mbs = [b._micro_batch(batch, ids) for ids in plan]
         res[share] = {"hybrid": b.hybrid, "log_probs": b.log_probs(batch),
@@ -67,8 +69,9 @@ def _backend_child(out: str) -> None:
     # bf16 compute: the GDN's A_log stays fp32 (its own FSDP unit), the projections go bf16.
     seen = []
     b16 = FSDPBackend()
-    b16.init(make_config(model={"path": "tiny-qwen3_5", "dtype": "bfloat16"},
-                         train={"max_tokens_per_micro_batch": 300}), 0, 1)
+    b16.init(rank=0, world_size=1, **components.backend_args(make_config(
+        model={"path": "tiny-qwen3_5", "dtype": "bfloat16"},
+        train={"max_tokens_per_micro_batch": 300})))
     gdn = next(m for m in b16.model.modules() if isinstance(m, HomegymGatedDeltaNet))
     gdn.register_forward_pre_hook(lambda m, args: seen.append(
         (m.A_log.dtype, m.dt_bias.dtype, m.in_proj_qkv.weight.dtype)))

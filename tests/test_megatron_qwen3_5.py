@@ -37,15 +37,16 @@ def _rank_child(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
 
     from train_batches import make_config
-    from trainer.training.backends.megatron import MegatronBackend
+    from trainer.driver import components
+    from trainer.training.backends.megatron.backend import MegatronBackend
 
     store = dist.FileStore(out + ".store", world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     b = MegatronBackend()
-    b.init(make_config(model={"path": "tiny-qwen3_5"},
-                       train={"backend": "megatron", "ranks_per_node": world,
-                              "tensor_model_parallel_size": world,
-                              "max_tokens_per_micro_batch": 300}), rank, world)
+    b.init(rank=rank, world_size=world, **components.backend_args(make_config(
+        model={"path": "tiny-qwen3_5"},
+        train={"backend": "megatron", "ranks_per_node": world,
+               "tensor_model_parallel_size": world, "max_tokens_per_micro_batch": 300})))
     res = {"log_probs": b.log_probs(_batch()),
            "export": {n: t for bucket in b.named_weight_buckets(1 << 16) for n, t in bucket}}
     if rank == 0:
