@@ -168,3 +168,18 @@ def test_exported_names_are_what_sglang_loads(tiny_qwen3_5_path):
     assert sorted(loaded["model.layers.3.qkv_proj.weight"]) == ["k", "q", "v"]
     assert {gdn + s for s in ("A_log", "dt_bias", "conv1d.weight", "norm.weight")} <= set(loaded)
     assert not [p for p in loaded if p.startswith("mtp") or ".mtp." in p]
+
+
+def test_a_push_casts_to_the_engines_dtype_but_keeps_a_log_fp32(tiny_qwen3_5_path):
+    """What send_weights puts on the wire for a bf16 engine: every tensor of the model in
+    bf16 except each Gated DeltaNet's A_log, which stays fp32 as SGLang holds it (a backend
+    yields it fp32; a cast of the whole bucket would round it through bf16)."""
+    from trainer.weight_sync.push import cast_bucket
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_5_path)
+    bucket = cast_bucket(list(model.state_dict().items()), torch.bfloat16)
+    kept = {n for n, t in bucket if t.dtype == torch.float32}
+    assert kept and kept == {n for n, _ in bucket if n.endswith(".A_log")}
+    assert all(t.dtype == torch.bfloat16 for n, t in bucket if n not in kept)
+    state = model.state_dict()
+    assert all(torch.equal(t, state[n]) for n, t in bucket if n in kept)

@@ -38,6 +38,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 
 from rollout.checkpoints import is_hybrid, read_config
+from rollout.modeling.hybrid import transfer_dtype
 from rollout.engines.actor import SGLANG_CPU_LOADERS
 from rollout.engines.client import EngineError, fan_out
 from rollout.engines.weights_io import (
@@ -206,6 +207,13 @@ def check_reported_versions(engines, version: int, what: str) -> None:
 # The rank side (trainer.training.train_group.TrainActor calls these on every rank).
 # ---------------------------------------------------------------------------------------
 
+def cast_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype
+                ) -> list[tuple[str, torch.Tensor]]:
+    """``bucket`` in the engines' ``dtype``, but for the few tensors engines hold in fp32
+    whatever the model's dtype (a Gated DeltaNet's ``A_log``: ``transfer_dtype``)."""
+    return [(n, t.detach().to(dtype=transfer_dtype(n, dtype))) for n, t in bucket]
+
+
 def send_weights(buckets: Iterable[list[tuple[str, torch.Tensor]]], plan: PushPlan, *,
                  rank: int, world_size: int, weight_group=None) -> dict[str, float]:
     """Stream ``buckets`` (a backend's ``named_weight_buckets``, drained on every rank:
@@ -234,7 +242,7 @@ def send_weights(buckets: Iterable[list[tuple[str, torch.Tensor]]], plan: PushPl
         lap("send")  # opening the sessions
         for bucket, last in _with_last(buckets):
             lap("gather")
-            bucket = [(n, t.detach().to(dtype=dtype)) for n, t in bucket]
+            bucket = cast_bucket(bucket, dtype)
             num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
             num_buckets += 1
             for name, t in bucket:
