@@ -73,9 +73,12 @@ def _backend_child(out: str) -> None:
         model={"path": "tiny-qwen3_5", "dtype": "bfloat16"},
         train={"max_tokens_per_micro_batch": 300})))
     gdn = next(m for m in b16.model.modules() if isinstance(m, HomegymGatedDeltaNet))
-    gdn.register_forward_pre_hook(lambda m, args: seen.append(
-        (m.A_log.dtype, m.dt_bias.dtype, m.in_proj_qkv.weight.dtype)))
-    res["bf16_log_probs"], res["bf16_dtypes"] = b16.log_probs(batch), seen[0]
+    # Each FSDP unit casts its parameters in its own pre-forward: the GDN unit's (A_log,
+    # dt_bias) as the layer starts, a projection's as the projection starts.
+    gdn.register_forward_pre_hook(lambda m, args: seen.append((m.A_log.dtype, m.dt_bias.dtype)))
+    gdn.in_proj_qkv.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+    res["bf16_log_probs"] = b16.log_probs(batch)
+    res["bf16_dtypes"] = (*seen[0], seen[1])
     # The policy after one optimizer step (differs from the base), exported and pushed.
     b._optimizer_step()
     buckets = list(b.named_weight_buckets(1 << 16))

@@ -297,8 +297,13 @@ def gated_deltanet(layer, hidden: torch.Tensor, *, cu_seqlens: Optional[torch.Te
     conv_state = recurrent_state = None
     if initial_state is not None:
         conv_state, recurrent_state = initial_state
+    # The conv weight in the projections' dtype: a trainer holding it in fp32 (FSDP keeps
+    # it in the GDN's fp32 unit, since it is read here, not through conv1d's forward)
+    # rounds it as an engine holding the model in that dtype has it.
+    bias = layer.conv1d.bias
     mixed, conv_final = causal_conv1d(
-        mixed, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, activation=layer.activation,
+        mixed, layer.conv1d.weight.squeeze(1).to(mixed.dtype),
+        None if bias is None else bias.to(mixed.dtype), activation=layer.activation,
         cu_seqlens=cu_seqlens, initial_state=conv_state)
     q, k, v = _split_heads(layer, mixed)
     core, recurrent_final = chunk_gated_delta_rule(

@@ -136,8 +136,8 @@ class FSDPBackend(StepLoop):
         return model
 
     def _keep_gdn_decay_fp32(self, layer: torch.nn.Module, mp) -> None:
-        """A Gated DeltaNet's own parameters (A_log, dt_bias) in their own FSDP unit with
-        fp32 compute, its projections, conv and norm in ``mp``'s: engines and checkpoints
+        """A Gated DeltaNet's own parameters (A_log, dt_bias, the conv) in their own FSDP
+        unit with fp32 compute, its projections and norm in ``mp``'s: engines and checkpoints
         keep A_log in fp32 (SGLang 0.5.18 qwen3_5.py), and one FSDP unit casts all of its
         parameters to the compute dtype. dt_bias is rounded to the compute dtype where it is
         used (rollout.modeling.gated_deltanet), as an engine holding it in bf16 has it."""
@@ -148,8 +148,11 @@ class FSDPBackend(StepLoop):
                                     cast_forward_inputs=False)
         for module in layer.modules():
             if isinstance(module, HomegymGatedDeltaNet):
-                for child in module.children():
-                    if any(True for _ in child.parameters()):
+                for name, child in module.named_children():
+                    # conv1d's weight is read by the GDN math, never through conv1d's
+                    # forward, so a unit of its own would never be unsharded: it stays in
+                    # the fp32 unit and is rounded to the compute dtype where used.
+                    if name != "conv1d" and any(True for _ in child.parameters()):
                         fully_shard(child, mesh=self.mesh, mp_policy=mp)
                 fully_shard(module, mesh=self.mesh, mp_policy=fp32)
 
