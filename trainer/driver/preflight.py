@@ -20,7 +20,7 @@ actor as a remote traceback:
   recurrent state for Qwen3.5 only, and a hybrid model's cached states can be flushed
   after every weight update (not while requests wait in place);
 - what the training backend needs is installed here (Megatron's sequence parallelism:
-  Transformer Engine), before any engine or rank starts.
+  Transformer Engine), before any engine or rank starts;
 - the training backend runs the model's layers exactly: a hybrid model's Gated DeltaNet
   layers are homegym's (packed sequences and shared prefixes with per-sequence state) for
   Qwen3.5 only, any other would run transformers' kernels, which take neither; on Megatron
