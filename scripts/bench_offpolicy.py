@@ -18,9 +18,9 @@ A regime's runs share one Ray instance, engine and training rank: before each ru
 rank reloads the checkpoint taken when the regime started (weights and optimizer), swaps
 its loss settings (``TrainGroup.set_algo``), a new rollout manager takes the run's data
 seed, and the engine gets the weights again. Each run reports the mismatch metrics
-averaged over its steps and held-out success (the even targets, 8 seeded samples each:
-every run is scored on the same draws) after its last step. One engine and one training
-rank, one torch thread each.
+averaged over its steps, its rollout reward per step, and held-out success (the even
+targets, 8 seeded samples each: every run is scored on the same draws) after its last
+step. One engine and one training rank, one torch thread each.
 """
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ def run_regime(name: str, overrides: list[str], args, out: Path, results: list[d
                 result = {"regime": name, "correction": correction, "seed": seed,
                           "success": success, "base_success": base_success,
                           "wall_s": time.perf_counter() - t0,
-                          "rollout_success_last": rows[-1].get("rollout/success_rate")}
+                          "rollout_success_last": rows[-1].get("rollout/success_rate"),
+                          "reward_curve": [r.get("rollout/raw_reward") for r in rows]}
                 for key, _, _ in COLUMNS:
                     if key == "cut_tokens":
                         values = [r.get("mismatch/token_masked_frac", 0.0)
@@ -167,7 +168,8 @@ def run_regime(name: str, overrides: list[str], args, out: Path, results: list[d
 
 def table(results: list[dict], args) -> str:
     lines = []
-    header = ["regime", "correction", *(h for _, h, _ in COLUMNS), "held-out success (mean +- sd)",
+    header = ["regime", "correction", *(h for _, h, _ in COLUMNS), "reward per step",
+              "held-out success (mean +- sd)",
               "per seed", "vs none"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
@@ -180,6 +182,10 @@ def table(results: list[dict], args) -> str:
         for key, _, fmt in COLUMNS:
             values = [r[key] for r in runs if r.get(key) is not None]
             cells.append(fmt.format(statistics.mean(values)) if values else "-")
+        # The reward curve: rollout reward per RL step, mean over seeds.
+        curves = [r["reward_curve"] for r in runs]
+        cells.append(" ".join(f"{statistics.mean(c[i] for c in curves):.2f}"
+                              for i in range(min(map(len, curves)))))
         succ = [r["success"] for r in runs]
         sd = statistics.stdev(succ) if len(succ) > 1 else 0.0
         cells.append(f"{statistics.mean(succ):.1%} +- {sd:.1%}")
