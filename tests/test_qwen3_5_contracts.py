@@ -124,6 +124,7 @@ def _run_load_weights(source: str, names: list[str], tie: bool) -> tuple[list, l
     return loads, warnings
 
 
+@pytest.mark.subprocess  # the first use on a machine runs `pip download` for the wheel
 def test_exported_names_are_what_sglang_loads(tiny_qwen3_5_path):
     """Every tensor of homegym's Qwen3.5 export goes, through SGLang 0.5.18's own
     load_weights, to a parameter its modules declare: GDN projections into the fused
