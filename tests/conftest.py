@@ -535,6 +535,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 @pytest.fixture(scope="session")
+@starts_processes  # the first use on a machine runs `pip download` for the wheel
+def sglang_wheels():
+    """tests/sglang_source.py (SGLang's own source, read from its PyPI wheels in the cache).
+    Tests take it through this fixture, which puts them in the subprocess tier."""
+    import sglang_source
+
+    return sglang_source
+
+
+@pytest.fixture(scope="session")
 @starts_processes
 def openenv_echo_server(tmp_path_factory):
     """The URL of tests/openenv_echo_server.py (an openenv-core environment served with

@@ -124,20 +124,18 @@ def _run_load_weights(source: str, names: list[str], tie: bool) -> tuple[list, l
     return loads, warnings
 
 
-@pytest.mark.subprocess  # the first use on a machine runs `pip download` for the wheel
-def test_exported_names_are_what_sglang_loads(tiny_qwen3_5_path):
+def test_exported_names_are_what_sglang_loads(tiny_qwen3_5_path, sglang_wheels):
     """Every tensor of homegym's Qwen3.5 export goes, through SGLang 0.5.18's own
     load_weights, to a parameter its modules declare: GDN projections into the fused
     in_proj_qkvz / in_proj_ba shards, attention into qkv_proj, A_log / dt_bias / conv1d /
     the gated norm as they are; the MTP layer is skipped (the draft model loads it) and the
     vision tower goes to ``visual``."""
-    from sglang_source import SglangSourceUnavailable, source_text
-
     from trainer.driver.hf_export import base_tensor_files
 
     try:
-        source, moe = source_text(SGLANG, QWEN3_5), source_text(SGLANG, QWEN2_MOE)
-    except SglangSourceUnavailable as err:
+        source = sglang_wheels.source_text(SGLANG, QWEN3_5)
+        moe = sglang_wheels.source_text(SGLANG, QWEN2_MOE)
+    except sglang_wheels.SglangSourceUnavailable as err:
         pytest.skip(f"no SGLang {SGLANG} wheel: {err}")
     names = sorted(base_tensor_files(tiny_qwen3_5_path))  # what an export holds
     loads, warnings = _run_load_weights(source, names, tie=True)

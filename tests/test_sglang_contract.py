@@ -26,15 +26,12 @@ from rollout.engines import SUPPORTED_SGLANG_VERSIONS, PINNED_SGLANG_VERSION, En
 from rollout.engines.hf.server import routes as hf_routes
 from trainer.driver import components
 
-from conftest import starts_processes
-
 sglang_source = pytest.importorskip("sglang_source")
 
 
 @pytest.fixture(scope="module", params=SUPPORTED_SGLANG_VERSIONS)
-@starts_processes  # the first use on a machine runs `pip download` for the wheel
-def contract(request):
-    return sglang_source.contract(request.param)  # downloads the wheel once into the cache
+def contract(request, sglang_wheels):
+    return sglang_wheels.contract(request.param)  # downloads the wheel once into the cache
 
 
 class _Recorder(BaseHTTPRequestHandler):
