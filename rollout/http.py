@@ -33,6 +33,36 @@ class _AbortSwitch:
 
 
 ABORT = _AbortSwitch()
+
+
+class _GenerateGate:
+    """Process-wide hold on new engine calls while a weight update's flush is pending.
+
+    A disaggregated push with ``rollout.update_in_flight=pause`` lets the requests in
+    flight finish on the new weights, and the engines' prefix cache then holds KV of the
+    old ones until it is flushed, which SGLang does only on an idle engine. While held,
+    ``post`` keeps every new /generate back, so none is served from that KV
+    (trainer/turns.py closes and opens it through the rollout manager)."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+
+    @property
+    def held(self) -> bool:
+        return not self._open.is_set()
+
+    def hold(self) -> None:
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    async def wait(self) -> None:
+        await self._open.wait()
+
+
+GATE = _GenerateGate()
 # The newest weight version any /generate answer reported in this process: stamps samples
 # from user generate functions that do not record it themselves.
 LAST_WEIGHT_VERSION: list[Optional[int]] = [None]
@@ -85,8 +115,11 @@ async def post(url: str, payload: Optional[dict] = None, *, max_retries: int = 8
     Otherwise, or once the retries are spent, ``EngineError`` names the engine (or router)
     and route, with the status and the server's message.
     """
-    if ABORT.on and url.endswith("/generate"):
-        return _abort_response()
+    if url.endswith("/generate"):
+        if GATE.held:
+            await GATE.wait()
+        if ABORT.on:
+            return _abort_response()
     if LORA_ADAPTER[0] is not None and url.endswith("/generate") and isinstance(payload, dict) \
             and payload.get("lora_path") is None:
         payload = {**payload, "lora_path": LORA_ADAPTER[0]}

@@ -45,7 +45,7 @@ from rollout.data import DataSource
 from rollout.ledger import Ledger, key_of
 from rollout.generate import (EnginePolicy, Episode, GenerateState, close_episode, run_episode,
                               sampling_params_from)
-from rollout.http import ABORT, ENDPOINT_NAMES, LAST_WEIGHT_VERSION, RETRIES, post
+from rollout.http import ABORT, ENDPOINT_NAMES, GATE, LAST_WEIGHT_VERSION, RETRIES, post
 from rollout.batch_ref import BatchRef
 from rollout.sample import RolloutBatch, Sample
 
@@ -528,6 +528,14 @@ class RolloutManagerCore:
             rows += rw
         metrics["perf/eval_time"] = time.perf_counter() - t0
         return {"metrics": metrics, "rows": rows}
+
+    async def hold_generation(self) -> None:
+        """Keep every new engine call of this process back until ``release_generation``
+        (rollout.http.GATE); requests already sent go on."""
+        GATE.hold()
+
+    async def release_generation(self) -> None:
+        GATE.release()
 
     def set_lora_adapter(self, name: Optional[str]) -> None:
         """Name the LoRA adapter every /generate of this process asks for (rollout.http)."""

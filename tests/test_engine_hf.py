@@ -310,22 +310,47 @@ def _safe(fn):
 
 
 def test_pause_continue_release_resume(engine, ref_model):
-    engine.client.pause_generation(mode="in_place")
-    with ThreadPoolExecutor(1) as pool:
+    """SGLang's pause: requests already in the scheduler stay there and keep it busy (no
+    flush, no release; a deferred flush waits for them); a request sent while paused
+    waits outside it, as SGLang's tokenizer manager holds it, so a flush runs under it."""
+    long = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": CTX - 8, "ignore_eos": True}}
+    with ThreadPoolExecutor(6) as pool:
+        running = [pool.submit(gen, engine, long) for _ in range(4)]
+        wait_for(lambda: engine.client.server_info()["num_running_reqs"] == 4, timeout_s=30,
+                 what="the requests to start")
+        engine.client.pause_generation(mode="in_place")
+        assert not any(f.done() for f in running)  # still in the scheduler, paused there
         steps = engine.client.server_info()["decode_steps"]
-        fut = pool.submit(gen, engine, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
-        wait_for(lambda: engine.client.server_info()["num_running_reqs"], timeout_s=30,
-                 what="the request to reach the paused engine")
-        # Busy (a paused request is pending): no flush, no release (SGLang's rules).
         r = requests.get(engine.url + "/flush_cache", timeout=10)
         assert r.status_code == 400
         with pytest.raises(EngineError, match="idle"):
             engine.client.release_memory()
-        # Paused: the request is held, not decoded (checked after the calls above, so the
-        # engine had their round trips' time to run it had it not been paused).
-        assert not fut.done() and engine.client.server_info()["decode_steps"] == steps
+        r = requests.get(engine.url + "/flush_cache", params={"timeout": 0.2}, timeout=10)
+        assert r.status_code == 400 and "Timed out" in r.text  # they never finish while paused
+        deferred = pool.submit(requests.get, engine.url + "/flush_cache",
+                               params={"timeout": 60}, timeout=90)
+        held = pool.submit(gen, engine, {"input_ids": [1, 2, 3], "sampling_params": {
+            "max_new_tokens": 2, "ignore_eos": True}})
+        wait_for(lambda: engine.client.server_info()["num_held_reqs"] == 1, timeout_s=30,
+                 what="the new request to be held")
+        info = engine.client.server_info()
+        assert info["num_running_reqs"] == 4 and info["decode_steps"] == steps
+        assert not deferred.done()
         engine.client.continue_generation()
-        assert fut.result()["meta_info"]["finish_reason"]["type"] == "length"
+        assert all(f.result()["meta_info"]["finish_reason"]["type"] == "length" for f in running)
+        assert deferred.result().status_code == 200  # ran once they were done
+        assert held.result()["meta_info"]["finish_reason"]["type"] == "length"
+    # Paused and idle, a request sent now is held outside the scheduler: a flush succeeds.
+    engine.client.pause_generation(mode="in_place")
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(gen, engine, {"input_ids": [1, 2, 3], "sampling_params": {
+            "max_new_tokens": 2, "ignore_eos": True}})
+        wait_for(lambda: engine.client.server_info()["num_held_reqs"] == 1, timeout_s=30,
+                 what="the request to be held")
+        assert requests.get(engine.url + "/flush_cache", timeout=10).status_code == 200
+        assert engine.client.server_info()["num_running_reqs"] == 0
+        engine.client.continue_generation()
+        assert len(held.result()["output_ids"]) == 2
     engine.client.release_memory()
     engine.client.resume_memory(["weights"])
     # Resumed weights are allocated but empty until the trainer pushes weights, and the
@@ -405,11 +430,20 @@ def test_multiturn_prefix_cache_matches_fresh_forward(engine, ref_model):
         got = torch.tensor([lp for lp, _, _ in o2["meta_info"]["output_token_logprobs"]])
         want = fresh_logprobs(ref_model, p2, o2["output_ids"], 0.9)
         assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
-    # A weight update invalidates cached KV (it belongs to the old weights).
+    # As SGLang, a weight update keeps the cache unless it asks for a flush (the pusher
+    # flushes: trainer/weight_sync/engine_updates.py); a flush, or an update with flush_cache, drops it.
     sd = ref_model.state_dict()
     push_tensors(engine.client, [("model.norm.weight", sd["model.norm.weight"])], version="default")
     third = turn([second_prompts[0] + second[0]["output_ids"] + [5]], 2)
-    assert third[0]["meta_info"]["cached_tokens"] == 0
+    assert third[0]["meta_info"]["cached_tokens"] == len(second_prompts[0]) + 6 - 1
+    fourth = turn([second_prompts[1] + second[1]["output_ids"] + [5]], 2)
+    r = requests.post(engine.url + "/update_weights_from_tensor", json={
+        "serialized_named_tensors": [MultiprocessingSerializer.serialize(
+            [("model.norm.weight", sd["model.norm.weight"])], output_str=True)],
+        "flush_cache": True}, timeout=30)
+    assert r.status_code == 200, r.text
+    fifth = turn([second_prompts[1] + second[1]["output_ids"] + [5] + fourth[0]["output_ids"]], 2)
+    assert fifth[0]["meta_info"]["cached_tokens"] == 0
 
 
 def test_prefill_chunks_by_uncached_length(ref_model):

@@ -199,25 +199,112 @@ class _Spy:
         return call
 
 
-def test_colocated_step_resumes_weights_then_pushes_then_resumes_the_kv_cache(ray_local, tmp_path):
-    """slime's order: the engines' weights come back first, the new weights are pushed into
-    them, and only then the KV cache (and CUDA graphs), so the push never competes with the
-    KV cache for the memory training freed. Real runtime; the engine group and the weight
-    sync are wrapped to record the order of their calls."""
+class _ManagerSpy(_Spy):
+    """The rollout manager's handle, recording each ``generate_ref.remote`` call."""
+
+    def __getattr__(self, name):
+        value = getattr(self._target, name)
+        if name not in self._names:
+            return value
+        log = self._log
+
+        class Method:
+            def remote(self, *args, **kwargs):
+                log.append((name, args[0] if args else None))
+                return value.remote(*args, **kwargs)
+        return Method()
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_colocated_run_starts_and_takes_turns_in_order(ray_local, tmp_path, monkeypatch, backend):
+    """Colocated start-up and turns (trainer.driver.runtime, trainer.weight_sync.
+    engine_updates): the engines release their memory before the ranks are built (checked
+    on the engine itself when the ranks start), the ranks offload once built, and the first
+    push, the base evaluation and the first rollout all run with the ranks offloaded; each
+    step releases the engines, onloads, trains, offloads, then resumes weights, pushes,
+    resumes the KV cache (and the warm-up takes the same turn). Real runtime (Ray, CPU engine, FSDP or Megatron ranks on CPU); the engine group, train group,
+    weight sync and manager are wrapped to record their calls, and Megatron's ranks are
+    asked whether their state is really offloaded at each recorded moment."""
+    if backend == "megatron":
+        pytest.importorskip("megatron.core")
+    from rollout.engines.group import EngineGroup
     from trainer.driver.loop import Driver
     from trainer.driver.runtime import Runtime
+    from trainer.training.train_group import TrainGroup
 
     config = compose_config("train.num_steps=1", "rollout.rollout_batch_size=1",
-                            "rollout.n_samples_per_prompt=2", "eval.before_and_after=false",
-                            "rollout.num_engines=1", "train.ranks_per_node=1")
+                            "rollout.n_samples_per_prompt=2", "eval.n_samples_per_prompt=1",
+                            "eval.greedy=false", "rollout.num_engines=1",
+                            "train.ranks_per_node=1", f"train.backend={backend}",
+                            "train.share_prompts=false", "logging.wandb_mode=disabled",
+                            "warmup.steps=1", "warmup.batch_size=2")
     log: list = []
-    with Runtime(config, tmp_path) as rt:
-        rt.engines = _Spy(rt.engines, {"release_memory", "resume_memory"}, log)
+    groups: list = []
+
+    def offloaded() -> list:
+        """Each rank's own answer (Megatron keeps the state; FSDP on CPU has none)."""
+        if backend != "megatron" or not groups:
+            return []
+        return ray_local.get([a.__ray_call__.remote(lambda actor: actor.backend.offloader.offloaded)
+                              for a in groups[0].actors])
+
+    real_init = TrainGroup.__init__
+
+    def init(self, *args, **kwargs):
+        infos = [c.server_info() for c in runtime.engines.clients]
+        log.append(("ranks built", [i["released"] for i in infos]))
+        real_init(self, *args, **kwargs)
+        groups.append(self)
+
+    def recorded(cls, name):
+        real = getattr(cls, name)
+
+        def call(self, *args, **kwargs):
+            log.append((name, None))
+            return real(self, *args, **kwargs)
+        monkeypatch.setattr(cls, name, call)
+
+    monkeypatch.setattr(TrainGroup, "__init__", init)
+    recorded(EngineGroup, "release_memory")
+    recorded(TrainGroup, "offload")
+    recorded(TrainGroup, "onload")
+    runtime = Runtime(config, tmp_path)
+    with runtime as rt:
+        assert offloaded() in ([], [True])  # built, then offloaded
+        log.append(("start-up done", offloaded()))
+        rt.engines = _Spy(rt.engines, {"resume_memory"}, log)
         rt.weights = _Spy(rt.weights, {"push"}, log)
-        steps = list(Driver(config, tmp_path, rt).colocated_steps(0))
-    assert [s for s, _ in steps] == [1]
-    assert log == [("release_memory", None), ("resume_memory", ["weights"]), ("push", 1),
-                   ("resume_memory", ["kv_cache", "cuda_graph"])]
+        rt.manager = _ManagerSpy(rt.manager, {"generate_ref"}, log)
+        driver = Driver(config, tmp_path, rt)
+        real_eval = driver.evaluate
+
+        def evaluate(name, *, step):
+            log.append(("evaluate " + name, offloaded()))
+            return real_eval(name, step=step)
+
+        driver.evaluate = evaluate
+        real_push = rt.weights._target.push
+
+        def push(version, *args, **kwargs):
+            log.append(("ranks at push", offloaded()))
+            return real_push(version, *args, **kwargs)
+
+        rt.weights._target.push = push
+        try:
+            driver.run()
+        finally:
+            rt.manager = rt.manager._target  # the runtime kills the real actor on exit
+    off = [True] if backend == "megatron" else []
+    push = [("resume_memory", ["weights"]), ("push", 0), ("ranks at push", off),
+            ("resume_memory", ["kv_cache", "cuda_graph"])]
+    turn = [("release_memory", None), ("onload", None), ("offload", None)]
+    assert log == [
+        ("release_memory", None), ("ranks built", [True]), ("offload", None),
+        ("start-up done", off), *push, ("evaluate initial", off), *turn, *push,
+        ("evaluate base", off), ("generate_ref", 1),
+        ("release_memory", None), ("onload", None), ("offload", None),
+        ("resume_memory", ["weights"]), ("push", 1), ("ranks at push", off),
+        ("resume_memory", ["kv_cache", "cuda_graph"]), ("evaluate trained", off)]
 
 
 def _plasma_objects(ray_module) -> int:
@@ -268,6 +355,7 @@ def test_rollout_batches_reach_the_ranks_by_reference_and_are_freed(ray_local, t
         rt.train_group.train_step = train_step
         before = _plasma_objects(ray_local)
         driver = Driver(config, tmp_path, rt)  # alive to the end, as in a run
+        driver.push_weights(0)  # the run's first push: the engines released theirs at start-up
         steps = [s for s, _ in driver.colocated_steps(0)]
         assert steps == [1, 2]
         assert [s["type"] for s in seen] == ["ObjectRef", "ObjectRef"]

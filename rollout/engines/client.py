@@ -14,7 +14,8 @@ Both: the served weight version is ``/model_info``'s ``weight_version``
 (``/get_weight_version`` is a 404); unknown request keys are dropped silently, so nothing
 homegym-only is ever sent; a weight update with ``flush_cache: true`` fails (0.5.23) or
 kills the scheduler (0.5.18, an assert) when any request is queued, so updates never flush
-and ``flush_cache`` is called once, after the last bucket, retried until the server is idle.
+and the caller flushes once after the update (``flush_cache``: SGLang's deferred flush,
+which runs as soon as the server is idle; trainer/turns.py says when).
 """
 
 from __future__ import annotations
@@ -168,13 +169,13 @@ class EngineClient:
 
     # ---- plumbing ----
     def call(self, route: str, payload: Optional[dict] = None, *, method: str = "POST",
-             timeout_s: Optional[float] = None) -> Any:
+             timeout_s: Optional[float] = None, params: Optional[dict] = None) -> Any:
         """One admin request; retried with backoff where ``may_retry`` allows, else (or
         once the retries are spent) an EngineError naming this engine and the route."""
         retry = Retry(self.max_retries, first_s=0.1, cap_s=1.0)
         while True:
             try:
-                r = self.session.request(method, self.url + route, json=payload,
+                r = self.session.request(method, self.url + route, json=payload, params=params,
                                          headers=self.headers, timeout=timeout_s or self.timeout_s)
             except requests.RequestException as err:
                 connected = not isinstance(err, requests.exceptions.ConnectTimeout) and not (
@@ -303,19 +304,23 @@ class EngineClient:
         return out.get("parameter", out) if isinstance(out, dict) else out
 
     def flush_cache(self, timeout_s: float = 120.0) -> None:
-        """Flush the prefix cache; the server refuses while requests are pending (they
-        drain on their own once generation is paused or done), so retry until idle."""
+        """Flush the prefix cache as soon as no request is queued or running, waiting at
+        most ``timeout_s``: SGLang's deferred flush, ``/flush_cache?timeout=``
+        (0.5.18 entrypoints/http_server.py:966-981, scheduler_components/flush_wrapper.py;
+        0.5.23 the same). A request held by a paused server is not in its scheduler and
+        does not delay it. EngineError when the server stays busy that long."""
         deadline = time.monotonic() + timeout_s
-        delay = 0.02
         while True:
+            left = max(deadline - time.monotonic(), 1e-3)
             try:
-                self.call("/flush_cache", method="GET", timeout_s=60)
+                self.call("/flush_cache", method="GET", params={"timeout": left},
+                          timeout_s=left + 60)
                 return
             except EngineError as err:
-                if err.status is None or time.monotonic() + delay > deadline:
+                # One deferred flush per server at a time: another caller's is waiting.
+                if "already in progress" not in err.message or time.monotonic() >= deadline:
                     raise
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            time.sleep(0.05)
 
     # ---- memory and generation control ----
     def release_memory(self, tags: Optional[list[str]] = None) -> dict:

@@ -69,8 +69,9 @@ class _FanOut:
     def abort_all(self) -> list:
         return self._all("abort_all")
 
-    def flush_cache(self) -> list:
-        return self._all("flush_cache")
+    def flush_cache(self, timeout_s: float = 120.0) -> list:
+        """Flush every engine's prefix cache as soon as it is idle (at most ``timeout_s``)."""
+        return self._all("flush_cache", timeout_s)
 
     def server_infos(self) -> list[dict]:
         return self._all("server_info")

@@ -4,11 +4,15 @@ trainer/driver/evaluation.py).
 Colocated (engines and training ranks share devices and take turns), per step:
 
     batch = manager.generate_ref(step)     # engines generate, environments score
-    engines.release_memory(); train(batch.ref)
+    engines.release_memory(); ranks onload; train(batch.ref); ranks offload
     engines.resume_memory(weights); push weights (version = step); resume_memory(kv_cache)
 
+The run starts with the ranks offloaded (trainer.driver.runtime), so the first push, the
+base evaluation and the first rollout have the engines' memory to themselves.
+
 Disaggregated (async): a ``trainer.driver.pipeline.RolloutPipeline`` generates ahead within the
-staleness bound and filters stale groups; the loop trains and pushes weights.
+staleness bound and filters stale groups; the loop trains and pushes weights. How a push
+reaches engines and when their prefix cache is flushed: trainer/weight_sync/engine_updates.py.
 
 The driver never holds a rollout batch: the manager leaves it in the object store and
 returns a ``BatchRef`` (group ids, labels, versions, metrics, a token digest), and the
@@ -38,6 +42,7 @@ from trainer.driver.evaluation import print_line, run_evaluation, write_eval_tab
 from trainer.driver.metrics import MetricsLogger, redact, timed, write_json
 from trainer.driver.mismatch_watch import MismatchWatch, staleness_metrics
 from trainer.driver.pipeline import RolloutPipeline
+from trainer.weight_sync.engine_updates import update_generating_engines, update_idle_engines
 from rollout.batch_ref import BatchRef
 from rollout.models import resolve_model_path
 from trainer.driver.report import write_curves
@@ -107,6 +112,9 @@ class Driver:
         self.rt.defer_stop = cfg.train.save_on_interrupt
         metrics: dict[str, float] = {}
         try:
+            # The engines get the trainer's weights first: colocated they released theirs
+            # for the ranks' start-up, and they report numbered policy versions from here.
+            self.push_weights(start_step)
             if start_step == 0:
                 self.start_policy()
             steps = self.colocated_steps if cfg.cluster.colocate else self.async_steps
@@ -128,14 +136,16 @@ class Driver:
                          final_metrics=metrics)
 
     def start_policy(self) -> None:
-        """Step 0: the engines serve the base policy as version 0, warmed up (SFT) first
-        when warmup.steps > 0; evaluated before and after the warm-up."""
+        """Step 0 (the engines already serve the base policy as version 0): warmed up (SFT,
+        a training turn) when warmup.steps > 0 and pushed again as version 0; evaluated
+        before and after the warm-up."""
         cfg = self.config
         if cfg.warmup.steps > 0:
             if cfg.derived.eval_before_and_after:
                 self.evaluate("initial", step=0)
-            warm_up(cfg, self.rt.train_group)
-        self.push_weights(0)  # engines report numbered policy versions
+            with self.trainer_turn({}):
+                warm_up(cfg, self.rt.train_group)
+            self.push_weights(0)
         if cfg.derived.eval_before_and_after:
             self.evaluate("base", step=0)
 
@@ -196,19 +206,9 @@ class Driver:
                     batch = ray.get(rt.manager.generate_ref.remote(step))
                 self.recover_engines(metrics)
                 if len(batch):
-                    self.with_recovery(rt.engines.release_memory, metrics)
-                    rt.train_group.onload()
-                    metrics.update(self.train(step, batch))
-                    rt.train_group.offload()
-
-                    def update() -> dict[str, float]:
-                        # Weights first, then the push, then the KV cache and CUDA graphs:
-                        # the push never competes with the KV cache for the memory freed.
-                        rt.engines.resume_memory(["weights"])
-                        pushed = self.push_weights(step)
-                        rt.engines.resume_memory(["kv_cache", "cuda_graph"])
-                        return pushed
-                    metrics.update(self.with_recovery(update, metrics))
+                    with self.trainer_turn(metrics):
+                        metrics.update(self.train(step, batch))
+                    metrics.update(self.with_recovery(lambda: self.push_weights(step), metrics))
             metrics = {**batch.metrics, **metrics}
             del batch  # trained on: the store frees it while the next step generates
             yield step, metrics
@@ -237,12 +237,15 @@ class Driver:
                     metrics.update(stale)
                     if len(batch):
                         metrics.update(self.train(step, batch))
-                        pause = "in_place" if cfg.rollout.update_in_flight == "pause" else "abort"
 
                         def update() -> dict[str, float]:
-                            rt.engines.pause_generation(mode=pause)
-                            pushed = self.push_weights(step)
-                            rt.engines.continue_generation()
+                            pushed = update_generating_engines(
+                                rt.engines, rt.weights, step,
+                                update_in_flight=cfg.rollout.update_in_flight,
+                                hold=lambda: ray.get(rt.manager.hold_generation.remote()),
+                                release=lambda: ray.get(rt.manager.release_generation.remote()),
+                                flush_timeout_s=cfg.rollout.sample_timeout_s)
+                            self.weight_version = step
                             return pushed
                         # Engines that died while generating come back on the current
                         # policy (their requests went to the others), then all are updated.
@@ -263,9 +266,21 @@ class Driver:
             self._pipeline = None
 
     def push_weights(self, version: int) -> dict[str, float]:
-        metrics = self.rt.weights.push(version)
+        """Push to engines that are not generating (trainer.weight_sync.engine_updates)."""
+        metrics = update_idle_engines(self.rt.engines, self.rt.weights, version,
+                                      colocated=self.config.cluster.colocate)
         self.weight_version = version
         return metrics
+
+    @contextlib.contextmanager
+    def trainer_turn(self, metrics: dict[str, float]) -> Iterator[None]:
+        """Colocated: the engines release their memory and the ranks onload for the
+        block, and offload after it (the next push gives the engines theirs back)."""
+        if self.config.cluster.colocate:
+            self.with_recovery(self.rt.engines.release_memory, metrics)
+        self.rt.train_group.onload()
+        yield
+        self.rt.train_group.offload()
 
     def recover_engines(self, metrics: dict[str, float]) -> None:
         """Restart dead engines on the current policy; counts into ``metrics``."""
@@ -351,7 +366,6 @@ class Driver:
         ray.get(self.rt.manager.load_state_dict.remote(resumed.rollout_state["manager"]))
         self._prefetched = list(resumed.rollout_state.get("prefetched", []))
         self.evals = dict(resumed.meta.get("evals", {}))
-        self.push_weights(resumed.step)
         print(f"resumed from {path} at step {resumed.step}", flush=True)
         return resumed.step
 

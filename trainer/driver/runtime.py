@@ -4,6 +4,15 @@
 creates the placement group, the engines behind the router, the training ranks and the
 rollout manager, and stops all of them on exit, Ctrl-C or SIGTERM, so no server process
 or actor outlives the run.
+
+Colocated, the engines start first and take their static share of each device, then
+release all of it before the training ranks build (a Megatron rank's start-up peak: the
+model, then DDP's parameter and gradient buffers while the first parameters are alive,
+megatron-core distributed/param_and_grad_buffer.py:795-835), and the ranks offload once
+built: the run starts with the engines' memory released and the trainer's offloaded
+(slime's order: ray/placement_group.py create_rollout_manager offloads the engines before
+create_training_models; its actors sleep at the end of init). The driver's first push
+gives the engines their memory back (trainer/weight_sync/engine_updates.py).
 """
 
 from __future__ import annotations
@@ -133,9 +142,14 @@ class Runtime:
                       "engines")
             self.engines = components.engine_group(
                 config, self.placement, log_dir=str(self.run_dir / "logs" / "engines"))
+            colocated = config.cluster.colocate
+            if colocated:
+                self.engines.release_memory()  # before the ranks build on the same devices
             _progress(f"starting {self.config.train.world_size} {self.config.train.backend} "
                       "training ranks")
             self.train_group = components.train_group(config, self.placement)
+            if colocated:
+                self.train_group.offload()
             self.manager = RolloutManager.remote(router_url=self.engines.router_url,
                                                  **components.manager_args(config))
             if config.derived.lora_push == "adapter":

@@ -59,10 +59,12 @@ class AdapterSync:
         self.announce = announce
         self.bucket_bytes = train.weight_bucket_mb * 2**20  # for HF exports
 
-    def push(self, version: int, engines=None) -> dict[str, float]:
+    def push(self, version: int, engines=None, *, flush: Optional[bool] = None) -> dict[str, float]:
         """Write the adapter, load it into every engine (or ``engines``, an EngineView)
         as ``homegym-v<version>``, report ``version``, route requests to it, then unload
-        adapters older than the previous one."""
+        adapters older than the previous one. ``flush`` is not needed: SGLang keys its
+        radix cache by adapter (0.5.18 managers/schedule_batch.py:923-926), so a new
+        adapter's requests never find KV of another."""
         start = time.perf_counter()
         engines = engines or self.engines
         name = adapter_name(version)

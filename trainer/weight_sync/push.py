@@ -119,26 +119,31 @@ class WeightSync:
         self.flush_always = is_hybrid(read_config(
             resolve_model_path(model.path, model.cache_dir)))
 
-    def plan(self, version: int, engines=None) -> PushPlan:
+    def plan(self, version: int, engines=None, *, flush: Optional[bool] = None) -> PushPlan:
+        """``flush``: flush each engine's prefix cache after the push (waiting until it is
+        idle); None: disaggregated engines are flushed, colocated ones not (releasing their
+        KV cache for training flushed it); a hybrid model's engines always are.
+        trainer/weight_sync/engine_updates.py says when."""
         rollout, cluster = self.rollout, self.cluster
         return PushPlan(
             mode=self.mode, version=version, targets=tuple((engines or self.engines).targets()),
             bucket_bytes=self.bucket_bytes, dtype=rollout.dtype or self.model.dtype,
             device="cuda" if cluster.device == "cuda" else "cpu",
-            flush_cache=self.flush_always or (not cluster.colocate
-                                              and rollout.update_in_flight == "abort"),
+            flush_cache=self.flush_always or (not cluster.colocate if flush is None
+                                              else flush),
             group_name=self._group_name, disk_dir=self.disk_dir,
             # SGLang's CPU backend computes garbage after an in-place update unless its AMX
             # weights are re-packed (rollout/engines/sglang_plugins/homegym_sglang_cpu.py).
             loaders=SGLANG_CPU_LOADERS if (rollout.engine == "sglang"
                                            and cluster.device == "cpu") else ())
 
-    def push(self, version: int, engines=None) -> dict[str, float]:
+    def push(self, version: int, engines=None, *, flush: Optional[bool] = None) -> dict[str, float]:
         """Load the trainer's current weights into every engine (or into ``engines``, an
-        EngineView, e.g. those just restarted) as ``version``, and verify them."""
+        EngineView, e.g. those just restarted) as ``version``, and verify them; ``flush``
+        as in ``plan``."""
         start = time.perf_counter()
         engines = engines or self.engines
-        plan = self.plan(version, engines)
+        plan = self.plan(version, engines, flush=flush)
         # A new set of engines (restarted ones have new addresses, or a view of some) gets
         # a broadcast group of its own; the next push to all of them forms one anew.
         if plan.mode == "distributed" and self._group_targets != plan.targets:

@@ -118,8 +118,9 @@ class PrefixCache:
 
     Multi-turn RL sends prompt_{t+1} = prompt_t + output_t + environment tokens; without
     this, every turn re-prefills the whole conversation. An entry is removed when used
-    (the continued sequence is stored again when it finishes). Must be cleared whenever
-    weights change: cached KV belongs to the weights that computed it.
+    (the continued sequence is stored again when it finishes). Cleared only by a flush or
+    a release of the KV cache, as SGLang's radix cache: after a weight update its KV
+    belongs to the old weights until someone flushes (server.py).
     """
 
     def __init__(self, max_bytes: int):
@@ -425,10 +426,9 @@ class Batcher:
                 r.weight_versions.append(tag)
 
     def drop_weight_copies(self) -> None:
-        """Free what is derived from the weights (the prefix cache's KV, packed matmul
-        weights) before they are released. Weight updates need not call it: the KV cache is
-        cleared by the update and packed weights are refreshed on their next use."""
-        self.prefix_cache.clear()
+        """Free the packed matmul weights before the weights are released (weight updates
+        need not call it: packed weights are refreshed on their next use). The prefix
+        cache is KV, released with the KV cache, as SGLang's."""
         if self._lean is not None:
             self._lean.matmuls.clear()
 

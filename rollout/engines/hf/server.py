@@ -198,6 +198,15 @@ class Server:
         # Finished requests waiting for the event loop; one wake-up per batch of them.
         self._finished: list[tuple[asyncio.Future, Request]] = []
         self._finished_lock = threading.Lock()
+        # SGLang's pause: new generation requests wait in the HTTP layer (its tokenizer
+        # manager, managers/tokenizer_manager.py:804-805 in 0.5.18), so they never reach
+        # the scheduler of a paused engine and a flush can run under them.
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self._held = 0  # requests waiting for continue_generation
+        # Set whenever requests finish: a deferred flush (/flush_cache?timeout=) re-checks.
+        self._settled = asyncio.Event()
+        self._flush_pending = False
 
     # ---- plumbing ----
     def _request_finished(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future,
@@ -218,6 +227,7 @@ class Server:
         for fut, req in done:
             if not fut.done():
                 fut.set_result(req)
+        self._settled.set()
 
     async def on_scheduler(self, fn):
         """Run ``fn`` on the scheduler thread between decode steps and await its result."""
@@ -323,6 +333,12 @@ class Server:
 
     async def _run(self, ids: list[int], sp: dict, rid: str, return_logprob: bool,
                    group_rid: Optional[str] = None) -> Request:
+        if not self._unpaused.is_set():  # held while paused, as SGLang holds them
+            self._held += 1
+            try:
+                await self._unpaused.wait()
+            finally:
+                self._held -= 1
         if self.weights_need_update or self.released_tags:
             raise web.HTTPServiceUnavailable(reason="memory released; /resume_memory_occupation "
                                                     "and push weights before generating")
@@ -494,6 +510,7 @@ class Server:
                       "context_length": self.max_context_len, "max_context_len": self.max_context_len,
                       "dtype": self.args.dtype, "weight_version": self.batcher.weight_version,
                       "num_running_reqs": self.batcher.num_running, "paused": self.batcher.paused,
+                      "num_held_reqs": self._held,
                       "released": self.released_shapes is not None,
                       "decode_steps": self.batcher.steps, **self.batcher.stats,
                       "prefix_cache_hits": self.batcher.prefix_cache.hits,
@@ -514,15 +531,52 @@ class Server:
         return True
 
     async def flush_cache(self, request):
-        if not await self.on_scheduler(self._flush_if_idle):
+        """SGLang's flush (0.5.18 entrypoints/http_server.py:966-981): at once, refused while
+        a request is queued or running; with ``?timeout=T`` (> 0) deferred until the engine
+        is idle, at most T seconds, one such flush at a time
+        (managers/scheduler_components/flush_wrapper.py:24-65)."""
+        try:
+            timeout = float(request.query.get("timeout", 0.0))
+        except ValueError:
+            raise BadRequest("timeout must be a number") from None
+        if timeout < 0:
+            raise BadRequest("timeout must be >= 0")
+        if timeout > 0:
+            if self._flush_pending:
+                return web.Response(text="Another flush_cache is already in progress.",
+                                    status=400)
+            self._flush_pending = True
+            try:
+                flushed = await self._flush_when_idle(timeout)
+            finally:
+                self._flush_pending = False
+            if not flushed:
+                return web.Response(text="Timed out waiting for idle state.", status=400)
+        elif not await self.on_scheduler(self._flush_if_idle):
             return web.Response(text=f"Cache not flushed: {BUSY}\n", status=400)
         return web.Response(text="Cache flushed.\n")
+
+    async def _flush_when_idle(self, timeout: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            self._settled.clear()  # before the check: a request finishing after it wakes us
+            if await self.on_scheduler(self._flush_if_idle):
+                return True
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._settled.wait(), left)
+            except asyncio.TimeoutError:
+                pass
 
     async def pause_generation(self, request):
         body = await _body(request)
         mode = body.get("mode", "abort")
         if mode not in ("abort", "in_place", "retract"):
             raise BadRequest("mode must be abort, in_place or retract")
+        self._unpaused.clear()
         if mode == "abort":
             self.batcher.abort(abort_all=True)
         await self.on_scheduler(lambda: setattr(self.batcher, "paused", True))
@@ -531,6 +585,7 @@ class Server:
     async def continue_generation(self, request):
         self.batcher.paused = False
         self.batcher.wakeup.set()
+        self._unpaused.set()
         return _json({"success": True})
 
     async def get_weights_by_name(self, request):
@@ -583,7 +638,7 @@ class Server:
     def _apply(self, named: list[tuple[str, torch.Tensor]], body: dict) -> dict:
         """Validate everything, then copy: a bad update leaves the old weights untouched.
         Then flush the prefix cache if asked (SGLang's default), which fails the call
-        when requests are pending."""
+        when requests are pending; not asked, the cache is kept."""
         version = body.get("weight_version")
         if self.released_shapes is not None:
             raise BadRequest("weights are released; call /resume_memory_occupation first")
@@ -600,12 +655,15 @@ class Server:
                 sd[name].copy_(tensor)
         if self.args.weight_noise:
             perturb(((name, sd[name]) for name, _ in named), self.args.weight_noise)
-        self.batcher.prefix_cache.clear()  # cached KV belongs to the old weights
         if version is not None:
             self.batcher.weight_version = str(version)
         self.batcher.note_weight_update(None if version is None else self.batcher.weight_version)
         self.weights_need_update = False
-        if body.get("flush_cache", True) and self.batcher.num_running:
+        # As SGLang: the prefix cache stays unless the update asks for a flush
+        # (flush_cache, default true; 0.5.18 managers/scheduler_components/
+        # weight_updater.py:103-108). Its KV then belongs to the old weights: whoever
+        # pushes with flush_cache=false flushes before new requests may use it.
+        if body.get("flush_cache", True) and not self._flush_if_idle():
             raise BadRequest(f"Weights were updated, but the cache was not flushed because {BUSY}")
         return {"success": True, "message": f"updated {len(named)} tensors",
                 "weight_version": self.batcher.weight_version}
