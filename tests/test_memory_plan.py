@@ -8,9 +8,22 @@ import pytest
 
 from conftest import REPO
 from config import ConfigError, compose_config
+from trainer.driver import memory_plan as mp
 from trainer.driver.memory_plan import (BUILTIN_ARCHS, ENGINE_CONTEXT_GIB, GiB, MemoryPlanError,
                                         MiB, ModelArch, TRAIN_CONTEXT_GIB, TRAIN_NCCL_GIB,
-                                        check_memory, gpu_capacity, model_arch, plan_memory)
+                                        gpu_capacity, model_arch)
+
+
+def plan_memory(config, **kwargs):
+    """The plan of a cluster whose ranks have Transformer Engine (the recipes' stack),
+    unless the test says otherwise."""
+    kwargs.setdefault("transformer_engine", True)
+    return mp.plan_memory(config, **kwargs)
+
+
+def check_memory(config, **kwargs):
+    kwargs.setdefault("transformer_engine", True)
+    return mp.check_memory(config, **kwargs)
 
 GPU_RECIPES = sorted(p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml")
                      if compose_config([f"+recipe={p.stem}"]).cluster.device == "cuda")
@@ -283,6 +296,7 @@ def test_every_gpu_recipe_plans(recipe, colocate):
     table = plan.table()
     assert "total" in table and plan.gpu in table
     assert all(p.total > 0 for p in plan.phases)
+    assert {"trainer start-up", "weight push"} <= {p.name for p in plan.phases}
 
 
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
@@ -306,6 +320,12 @@ def test_script_prints_the_plan_and_exits_1_when_it_cannot_fit(capsys):
     assert "DOES NOT FIT" in out and "the start-up check would refuse it" in out
     assert script.main(["+recipe=qwen_4b", "--gpu", "H200"]) == 0
     assert "H200" in capsys.readouterr().out
+    assert script.main(["+recipe=qwen_4b", "--te", "no", "cluster.colocate=false",
+                        "rollout.num_gpus=4", "train.ranks_per_node=4"]) == 1
+    assert "attention scores" in capsys.readouterr().out
+    assert script.main(["+recipe=qwen_4b", "--te", "yes", "cluster.colocate=false",
+                        "rollout.num_gpus=4", "train.ranks_per_node=4"]) == 0
+    assert "fused (Transformer Engine)" in capsys.readouterr().out
     assert script.main([]) == 0  # the CPU default: nothing to plan
     assert script.main(["rollout.n_samples_per_prompt=0"]) == 2
 
@@ -352,3 +372,120 @@ def test_qwen3_5_4b_recipe_plans_state_slots():
         fewer = plan_memory(compose_config(["+recipe=qwen3_5_4b", cap]))
         assert fewer.phase("rollout").get("engine recurrent states") == 10 * slot
         assert any("recurrent-state pool holds 10 slots" in n for n in fewer.notes)
+
+
+# --------------------------------------------------------------------- start-up and push
+def test_trainer_start_up_peak_by_hand():
+    """A Megatron rank's start-up: fp32 build, then DDP's param_data (bf16) and grad_data
+    (fp32) allocated while the bf16 parameters are alive: 2 + 2 + 4 = 8 B per parameter,
+    the largest moment here; the distributed optimizer's fp32 shards come after the old
+    parameters are freed (2 + 4 + 4 / DP). Colocated, the released engine keeps only its
+    runtime (the memory saver took weights, KV cache and CUDA graphs)."""
+    p = 139_648  # the toy's parameters per GPU (test_megatron_colocated_numbers_by_hand)
+    embed = 1024 * 64
+    plan = toy_plan()
+    startup = plan.phase("trainer start-up")
+    assert startup.get("start-up peak") == 8 * p
+    assert "DDP buffers allocated" in [i.note for i in startup.items
+                                       if i.name == "start-up peak"][0]
+    assert startup.total == 8 * p + (TRAIN_CONTEXT_GIB + TRAIN_NCCL_GIB) * GiB \
+        + ENGINE_CONTEXT_GIB * GiB
+    for released in ("engine weights", "engine KV cache pool", "engine CUDA graphs"):
+        assert startup.get(released) == 0
+    # Without the distributed optimizer DDP keeps the parameters in place (6 B) but the
+    # optimizer's fp32 main parameters are whole: 2 + 4 + 4 = 10 B.
+    assert toy_plan("train.use_distributed_optimizer=false").phase(
+        "trainer start-up").get("start-up peak") == 10 * p
+    # fp32 weights: a 4 B param_data next to the 4 B parameters and the 4 B grads.
+    assert toy_plan("model.dtype=float32").phase("trainer start-up").get("start-up peak") == 12 * p
+    # The KL reference is built in fp32 next to the policy, then kept in bf16.
+    kl = toy_plan("algo.kl_coef=0.1").phase("trainer start-up")
+    assert kl.get("start-up peak") == max(8 * p + 4 * embed, 2 * p + 8 * p)
+
+
+def test_first_push_rollout_and_start_up_run_with_the_trainer_offloaded():
+    """Colocated phases before the first training step: the ranks build while the
+    engines have released their memory, and the first push, the base evaluation and
+    rollout 1 see the offloaded trainer (its runtime) only. qwen_4b on H100s shows why:
+    engines holding their static share while the ranks build would not fit."""
+    plan = plan_memory(compose_config(["+recipe=qwen_4b"]))
+    assert [p.name for p in plan.phases] == ["engine start-up", "trainer start-up",
+                                             "weight push", "rollout", "training"]
+    startup, push, rollout = (plan.phase(n) for n in ("trainer start-up", "weight push", "rollout"))
+    assert startup.get("start-up peak") / GiB == pytest.approx(30.0, abs=0.1)  # the issue's figure
+    # The old order: the ranks built next to engines that still held everything.
+    old_order = plan.phase("engine start-up").total + startup.total - startup.get("engine runtime")
+    assert old_order > plan.capacity and startup.total < plan.capacity
+    for trainer_state in ("weights", "grads", "optimizer: fp32 main params",
+                          "optimizer: Adam moments"):
+        assert push.get(trainer_state) == rollout.get(trainer_state) == 0
+    assert push.get("engine weights") > 0 and push.get("engine KV cache pool") == 0
+    assert push.get("push bucket") == 151936 * 2560 * 2  # the embedding, whole, in bf16
+    assert plan.fits
+
+
+def test_disaggregated_phases_on_the_training_gpus():
+    plan = plan_memory(compose_config(["+recipe=qwen_8b", "cluster.colocate=false",
+                                       "rollout.num_gpus=4", "train.ranks_per_node=4"]))
+    assert [p.name for p in plan.phases] == ["engine GPUs", "trainer start-up", "weight push",
+                                             "training GPUs"]
+    push, training = plan.phase("weight push"), plan.phase("training GPUs")
+    for name in ("weights", "grads", "optimizer: Adam moments"):  # not offloaded here
+        assert push.get(name) == training.get(name) > 0
+    assert push.get("activations") == 0 and push.get("push bucket") > 0
+    assert plan.phase("trainer start-up").get("engine runtime") == 0
+
+
+def test_colocated_engines_release_their_cuda_graphs_because_their_launch_says_so(monkeypatch):
+    """The decode graphs go with the memory only when the engine's launch sets
+    SGLANG_MEMORY_SAVER_CUDA_GRAPH (rollout.engines.actor); the plan follows the launch."""
+    from rollout.engines import actor
+
+    config = compose_config(["+recipe=qwen_4b"])
+    assert actor.releases_cuda_graphs(actor.spec_from_config(config, config.model.path))
+    assert plan_memory(config).phase("training").get("engine CUDA graphs") == 0
+    monkeypatch.setattr(actor.SGLangLaunch, "__post_init__", lambda self: None)
+    kept = plan_memory(config).phase("training").get("engine CUDA graphs")
+    assert kept == 256 * 2 * MiB
+
+
+def test_megatron_without_transformer_engine_counts_the_score_matrix(capsys):
+    """No Transformer Engine (the default install; none imports on this machine): the
+    local attention's fp32 score matrix is planned, a layout it overflows is refused naming
+    the fix, and one it still fits gets a warning naming it."""
+    disagg = compose_config(["+recipe=qwen_4b", "cluster.colocate=false", "rollout.num_gpus=4",
+                             "train.ranks_per_node=4"])
+    with_te = plan_memory(disagg, transformer_engine=True)
+    without = mp.plan_memory(disagg)  # detected here: not importable
+    elems = 16384 * 8192 * 32  # micro-batch tokens x padded row length x heads
+    assert without.phase("training GPUs").get("attention scores") == 16 * elems
+    assert with_te.phase("training GPUs").get("attention scores") == 0
+    with pytest.raises(MemoryPlanError) as err:
+        mp.check_memory(disagg, print_fn=lambda _: None)
+    assert "largest: attention scores 64.0 GiB" in str(err.value)
+    assert "install Transformer Engine" in str(err.value) and "'.[te]'" in str(err.value)
+    lines = []
+    mp.check_memory(compose_config(["+recipe=qwen_4b"]), print_fn=lines.append)
+    assert lines[-1].startswith("homegym: warning: Megatron without Transformer Engine")
+    # Without checkpointing every layer keeps 6 B per element for backward.
+    no_ckpt = mp.plan_memory(compose_config(["+recipe=qwen_4b",
+                                             "train.gradient_checkpointing=false"]),
+                             transformer_engine=False)
+    half = 8192 * 8192 * 32
+    assert no_ckpt.phase("training").get("attention scores") == 6 * half * 36 + 10 * half
+
+
+def test_the_readme_and_docs_tables_are_the_plan():
+    """The plan tables in README.md and docs/gpu.md show what the plan computes."""
+    import re
+
+    disagg = ["cluster.colocate=false", "rollout.num_gpus=4", "train.ranks_per_node=4"]
+    for doc in ("README.md", "docs/gpu.md"):
+        rows = re.findall(r"^\| `(qwen_\w+)`[^|]* \| (colocated|disaggregated) \| (.*) \|$",
+                          (REPO / doc).read_text(), re.M)
+        assert len(rows) == 4, doc
+        for recipe, layout, cells in rows:
+            plan = plan_memory(compose_config([f"+recipe={recipe}"]
+                                              + (disagg if layout == "disaggregated" else [])))
+            shown = [float(c.split()[0]) for c in cells.split(" | ") if c.strip() != "-"]
+            assert shown == [round(p.total / GiB, 1) for p in plan.phases], (doc, recipe, layout)

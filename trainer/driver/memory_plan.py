@@ -26,12 +26,28 @@ Training, Megatron (``train.backend=megatron``, as trainer/training/backends/meg
   reference  2 B more when algo.kl_coef > 0 (a frozen copy)
   Colocated, between training phases ``offload`` moves every storage to the host
   (trainer/training/backends/megatron/offload.py; MEGATRON_KEPT_WHEN_OFFLOADED names what stays).
+  start-up peak: the largest of three moments of a rank's start-up: the model built in
+  fp32 (4 B, plus the KL reference, plus one checkpoint tensor), DDP's buffers allocated
+  while the cast parameters are alive (B + B for param_data with the distributed
+  optimizer + 4 B grad_data: 8 B in bf16, megatron-core 0.16.1
+  distributed/param_and_grad_buffer.py:795-835), the optimizer built (B + 4 B + fp32
+  main shards 4 B / (DP x CP)). Adam moments appear at the first step.
+  attention scores: without Transformer Engine the local spec's attention materialises
+  each layer's [rows, heads / TP, s, s] score matrix: 16 B per element while a layer
+  runs (bf16 scores, fp32 copy, masked copy, fp32 softmax, bf16 probabilities), 6 B per
+  element kept per layer for backward without checkpointing; elements <= micro-batch
+  tokens x min(model.max_context_len, tokens) x heads / TP. The start-up check takes
+  Transformer Engine as present when it imports in the driver's process.
 
 Training, FSDP (``train.backend=fsdp``): fp32 master parameters, fp32 grads and Adam
   moments, all sharded over the train world size (4 + 4 + 8 B per parameter / W), plus
   the bf16 parameters FSDP gathers at once (the root module's: embedding, final norm, LM
   head; and two decoder layers, the running one and the prefetched one). Colocated,
-  ``offload`` moves all of it to the host while the engines generate.
+  ``offload`` moves all of it to the host while the engines generate. start-up peak:
+  the fp32 shards (the model is loaded on the host and sharded before it moves).
+
+Weight push: the sending rank's bucket on its GPU (train.weight_bucket_mb of gathered
+  tensors in the engines' dtype, or the largest tensor alone when larger).
 
 Activations: tokens per micro-batch x hidden x layers x factor (bytes), with
   tokens = train.max_tokens_per_micro_batch, or fewer when the samples a rank gets per
@@ -77,16 +93,24 @@ Engines (SGLang, rollout.num_gpus_per_engine = engine TP):
                --max-total-tokens, --kv-cache-dtype, --chunked-prefill-size,
                --cuda-graph-max-bs and --disable-cuda-graph of rollout.sglang_args count.
   Colocated (SGLang's memory saver, on whenever cluster.colocate): release frees the
-  weights, the KV pool and the decode CUDA graphs; the context, workspace and NCCL
-  buffers are counted as kept.
+  weights and the KV pool, and the decode CUDA graphs where the engine's launch sets
+  SGLANG_MEMORY_SAVER_CUDA_GRAPH (rollout/engines/actor.py does for colocated engines;
+  otherwise they are counted as kept); the context, workspace and NCCL buffers are
+  counted as kept.
 
-Layouts:
+Layouts and phases (each must fit):
   colocated      every GPU holds one training rank and an engine (shard), which take
-                 turns. Rollout peak = engine static + runtime + what the trainer keeps
-                 on the GPU between training phases; training peak = trainer state +
-                 activations + logits + what the released engine keeps. Both must fit.
+                 turns (trainer.runtime, trainer.engine_updates): engine start-up (the
+                 engine alone: static + runtime + graphs); trainer start-up (the engines
+                 released: the rank's start-up peak + what a released engine keeps);
+                 weight push (the ranks offloaded, the engines' weights back: the first
+                 push, before the base evaluation and rollout 1, and every step's);
+                 rollout (engine static + runtime + what the offloaded trainer keeps);
+                 training (trainer state + activations + logits + what the released
+                 engine keeps).
   disaggregated  engine GPUs (rollout.num_gpus) hold the engines alone; training GPUs
-                 (the train world) hold the trainer alone.
+                 (the train world) hold the trainer alone: its start-up, a push (the
+                 trainer's state between steps + the bucket) and training.
 Each training process also has a CUDA context (0.5 GiB) and, in a multi-GPU group, NCCL
 buffers (0.5 GiB). Fragmentation is not modelled: a plan with under 5% headroom says so.
 
@@ -143,16 +167,19 @@ TIGHT_FRACTION = 0.05        # headroom under 5% of the GPU is reported as tight
 # before that it moved only the Adam moments, i.e. ("weights", "grads",
 # "optimizer: fp32 main params", "reference model").
 MEGATRON_KEPT_WHEN_OFFLOADED: tuple[str, ...] = ()
-# Colocated engines release their decode CUDA graphs with the weights and KV cache (the
-# memory saver's "cuda_graph" tag, which holds them only because their launch sets
-# SGLANG_MEMORY_SAVER_CUDA_GRAPH: rollout.engines.actor.releases_cuda_graphs; prefill
-# graphs are disabled there). False: count the graphs as kept while training.
-ENGINE_RELEASES_CUDA_GRAPHS = True
+# Megatron's local attention (no Transformer Engine) per element of one layer's score
+# matrix [b, heads / TP, s, s] (megatron-core 0.16.1 transformer/dot_product_attention.py
+# 188-212 and fusions/fused_softmax.py 299-340, softmax in fp32): the bf16 scores (a
+# global buffer), their fp32 copy, the masked copy, the fp32 softmax and its bf16 cast
+# alive at once; kept for backward: the fp32 softmax and the bf16 probabilities.
+SCORE_BYTES_TRANSIENT = 16
+SCORE_BYTES_KEPT = 6
 
 
 # Table rows, trainer first, then the engine.
-ROW_ORDER = ("weights", "grads", "optimizer: fp32 main params", "optimizer: Adam moments",
-             "reference model", "gathered params", "activations", "logits", "trainer runtime",
+ROW_ORDER = ("start-up peak", "weights", "grads", "optimizer: fp32 main params",
+             "optimizer: Adam moments", "reference model", "gathered params", "push bucket",
+             "activations", "attention scores", "logits", "trainer runtime",
              "engine weights", "engine KV cache pool", "engine recurrent states", "engine runtime",
              "engine CUDA graphs",
              "engine prefill activations")
@@ -593,6 +620,8 @@ def _fsdp_activations(arch: ModelArch, tokens: float, checkpointing: bool) -> fl
 class _Trainer:
     items: list[Item]          # one training GPU at the training peak
     resident: list[Item]       # what stays on it while colocated engines generate
+    startup: list[Item]        # at the peak of a rank's start-up (runtime included)
+    at_rest: list[Item]        # between steps, not offloaded (runtime included)
     summary: list[str]
     tokens: int                # micro-batch tokens
     token_slope: float         # training-peak bytes per micro-batch token
@@ -601,7 +630,46 @@ class _Trainer:
     sequence_parallel: bool
 
 
-def _trainer(config, arch: ModelArch) -> _Trainer:
+def _megatron_startup(params: float, *, wbytes: int, kl: bool, dist_opt: bool, shard: int,
+                      largest: float) -> Item:
+    """The peak of a Megatron rank's start-up, as trainer/training/backends/megatron/backend.py
+    builds it: the model in fp32 (TransformerConfig params_dtype, master weights) with one
+    checkpoint tensor in flight, the KL reference likewise then cast; Float16Module casts
+    the policy to model.dtype one parameter at a time; DDP then allocates its contiguous
+    param_data (model.dtype, distributed optimizer only) and fp32 grad_data while the
+    parameters are still alive, copies them in and frees them (megatron-core 0.16.1
+    distributed/param_and_grad_buffer.py:795-835); the distributed optimizer clones its
+    fp32 main-parameter shards (optimizer/distrib_optimizer.py:399). Adam moments come
+    with the first step."""
+    ref = wbytes * params if kl else 0.0
+    moments = {
+        "model build in fp32": 4 * params + 4 * largest + (4 * params if kl else 0.0),
+        "DDP buffers allocated": ref + wbytes * params + (wbytes * params if dist_opt else 0.0)
+        + 4 * params,
+        "optimizer built": ref + wbytes * params + 4 * params
+        + (4 * params / shard if wbytes < 4 else 0.0),
+    }
+    when = max(moments, key=moments.get)
+    return Item("start-up peak", moments[when], f"{when} ({_count(params)} params/GPU); "
+                + ", ".join(f"{k} {v / GiB:.1f}" for k, v in moments.items()) + " GiB")
+
+
+def _attention_scores(arch: ModelArch, tokens: int, context: int, *, tp: int, layers: int,
+                      checkpointing: bool) -> tuple[float, str]:
+    """Megatron's local attention materialises every layer's score matrix; a micro-batch
+    of ``tokens`` in padded rows of at most ``context`` has at most tokens x min(context,
+    tokens) x heads / TP elements per layer. Checkpointed, one layer's at a time; else
+    each layer keeps SCORE_BYTES_KEPT per element for backward."""
+    elems = tokens * min(context, tokens) * arch.num_heads / tp
+    if checkpointing:
+        return SCORE_BYTES_TRANSIENT * elems, (
+            f"{elems / 1e9:.2f} G elements x {SCORE_BYTES_TRANSIENT} B in one layer")
+    nbytes = SCORE_BYTES_KEPT * elems * layers + (SCORE_BYTES_TRANSIENT - SCORE_BYTES_KEPT) * elems
+    return nbytes, (f"{elems / 1e9:.2f} G elements x ({SCORE_BYTES_KEPT} B kept x {layers} "
+                    f"layers + {SCORE_BYTES_TRANSIENT - SCORE_BYTES_KEPT} B)")
+
+
+def _trainer(config, arch: ModelArch, *, transformer_engine: bool = True) -> _Trainer:
     train, model = config.train, config.model
     world = train.world_size
     half = model.dtype in ("bfloat16", "float16")
@@ -652,6 +720,16 @@ def _trainer(config, arch: ModelArch) -> _Trainer:
         if cp > 1:
             note += f", / CP {cp}"
         items.append(Item("activations", act, note))
+        at_rest = [i for i in items if i.name != "activations"]
+        largest = max(embed, arch.layer_matrix_params() / tp / 3)  # one checkpoint tensor
+        startup = [_megatron_startup(params, wbytes=wbytes, kl=kl,
+                                     dist_opt=train.use_distributed_optimizer, shard=shard,
+                                     largest=largest)]
+        if not transformer_engine:
+            scores, how = _attention_scores(arch, t_rank, model.max_context_len, tp=tp,
+                                            layers=per_stage * in_flight, checkpointing=ckpt)
+            items.append(Item("attention scores", scores, how + " (no Transformer Engine: "
+                              "local attention, fp32 softmax)"))
         logits = vp / tp * (LOGITS_BYTES_PER_TOKEN * t_rank + LOGITS_BYTES_PER_RESPONSE_TOKEN * r_rank)
         items.append(Item("logits", logits, f"{vp} vocab / TP {tp} x ({LOGITS_BYTES_PER_TOKEN} B x "
                           f"{tokens} tok + {LOGITS_BYTES_PER_RESPONSE_TOKEN} B x {response} "
@@ -664,7 +742,9 @@ def _trainer(config, arch: ModelArch) -> _Trainer:
             + (" (sequence parallel)" if sp else "") + "; "
             + ("distributed optimizer" if train.use_distributed_optimizer else
                "no distributed optimizer") + f"; {model.dtype}; activation checkpointing "
-            + ("on" if ckpt else "off"),
+            + ("on" if ckpt else "off") + "; attention: "
+            + ("fused (Transformer Engine)" if transformer_engine else
+               "local, full score matrix (no Transformer Engine)"),
             f"micro-batch: {tokens} tokens ({why})"]
     else:  # fsdp: everything sharded over the train world
         tp, sp = 1, True
@@ -680,6 +760,11 @@ def _trainer(config, arch: ModelArch) -> _Trainer:
         items.append(Item("optimizer: Adam moments", 8 * trained / world, f"{what}fp32 / {world}"))
         if kl and not lora.enabled:
             items.append(Item("reference model", wbytes * params / world, f"{model.dtype} / {world}"))
+        at_rest = list(items)
+        # Loaded on the host, sharded, then moved: only the shards reach the GPU.
+        startup = [Item("start-up peak", 4 * params / world + (wbytes * params / world
+                                                              if kl and not lora.enabled else 0),
+                        f"fp32 shards of {_count(params)} params / {world} ranks")]
         root = V * h * (1 if arch.tie_word_embeddings else 2) + h
         items.append(Item("gathered params", wbytes * (root + 2 * arch.layer_params()),
                           f"{model.dtype}: embedding, LM head and 2 layers unsharded at once"))
@@ -701,7 +786,8 @@ def _trainer(config, arch: ModelArch) -> _Trainer:
                    f"micro-batch: {tokens} tokens ({why})"]
     runtime = Item("trainer runtime", (TRAIN_CONTEXT_GIB + (TRAIN_NCCL_GIB if world > 1 else 0)) * GiB,
                    "CUDA context" + (" + NCCL" if world > 1 else ""))
-    return _Trainer(items=items + [runtime], resident=resident + [runtime], summary=summary,
+    return _Trainer(items=items + [runtime], resident=resident + [runtime],
+                    startup=startup + [runtime], at_rest=at_rest + [runtime], summary=summary,
                     tokens=tokens, token_slope=slope, ckpt_activations=ckpt_act, tp=tp,
                     sequence_parallel=sp)
 
@@ -780,7 +866,7 @@ def _engine(config, arch: ModelArch, capacity: float) -> _Engine:
                  + (f" + NCCL {tp}/8 GiB" if nccl else ""))]
     graph_item = Item("engine CUDA graphs", graphs, f"decode batch sizes <= {max_bs}, "
                       f"{ENGINE_CUDA_GRAPH_MIB_PER_BS:g} MiB each")
-    if not (config.cluster.colocate and ENGINE_RELEASES_CUDA_GRAPHS):
+    if not (config.cluster.colocate and engine_releases_cuda_graphs(config)):
         kept.append(graph_item)
     active = [Item("engine weights", weights, f"{dtype}, {_count(params)} params/GPU (TP {tp})"),
               Item("engine KV cache pool", max(kv_pool, 0.0), pool_note),
@@ -820,12 +906,49 @@ def _engine(config, arch: ModelArch, capacity: float) -> _Engine:
                    requests=requests, summary=summary, notes=notes)
 
 
+def _push_bucket(config, arch: ModelArch) -> Item:
+    """A push's bucket on the sending rank's GPU: train.weight_bucket_mb of full (TP
+    gathered) tensors in the engines' dtype, or one tensor alone when it is larger."""
+    dtype = getattr(config.rollout, "dtype", None) or config.model.dtype
+    nbytes = 2 if dtype in ("bfloat16", "float16") else 4
+    largest = max(arch.vocab_size * arch.hidden_size, arch.hidden_size * arch.intermediate_size)
+    size = max(config.train.weight_bucket_mb * MiB, nbytes * largest)
+    return Item("push bucket", size, f"train.weight_bucket_mb={config.train.weight_bucket_mb} "
+                f"or the largest tensor ({_count(largest)} x {nbytes} B), gathered whole")
+
+
+def engine_releases_cuda_graphs(config) -> bool:
+    """Whether the engines' decode CUDA graphs go with their memory when they release it:
+    the memory saver's region holds them only when the launch sets
+    SGLANG_MEMORY_SAVER_CUDA_GRAPH (rollout.engines.actor.releases_cuda_graphs)."""
+    from rollout.engines.actor import releases_cuda_graphs, spec_from_config
+
+    if config.rollout.engine != "sglang":
+        return False
+    return releases_cuda_graphs(spec_from_config(config, config.model.path))
+
+
+def transformer_engine_available() -> bool:
+    """Transformer Engine importable in this process (the driver's environment stands for
+    the ranks'): without it Megatron runs its local attention."""
+    from trainer.training.backends.megatron.model import have_transformer_engine
+
+    return have_transformer_engine()
+
+
+TE_FIX = ("install Transformer Engine (fused attention: pip install --no-build-isolation "
+          "-c constraints.txt -e '.[te]')")
+
+
 def _training_changes(config, trainer: _Trainer, phase: Phase, capacity: float,
                       colocate: bool) -> list[str]:
     """What would bring the training peak under ``capacity``, with the numbers."""
     train = config.train
     over = phase.total - capacity
     out = []
+    if phase.get("attention scores"):
+        out.append(f"{TE_FIX}: the {phase.get('attention scores') / GiB:.1f} GiB of attention "
+                   "scores go; or lower model.max_context_len (the padded row length)")
     if trainer.ckpt_activations is not None:
         after = phase.total - phase.get("activations") + trainer.ckpt_activations
         out.append(f"train.gradient_checkpointing=true (activations "
@@ -854,10 +977,13 @@ def _training_changes(config, trainer: _Trainer, phase: Phase, capacity: float,
 
 
 def plan_memory(config, *, arch: Optional[ModelArch] = None, gpu: Optional[str] = None,
-                gpu_memory_gib: Optional[float] = None) -> MemoryPlan:
+                gpu_memory_gib: Optional[float] = None,
+                transformer_engine: Optional[bool] = None) -> MemoryPlan:
     """The per-GPU memory plan of a GPU config (``cluster.device=cuda``). ``arch``,
     ``gpu``, ``gpu_memory_gib`` override what the config says (model.path's config.json
-    or the built-in table; cluster.gpu_type / cluster.gpu_memory_gib or H100)."""
+    or the built-in table; cluster.gpu_type / cluster.gpu_memory_gib or H100).
+    ``transformer_engine``: whether the Megatron ranks have it; None: whether it imports
+    here."""
     if config.cluster.device != "cuda":
         raise ConfigError("memory plan: cluster.device=cpu has no GPU memory to plan")
     source = "given"
@@ -867,33 +993,58 @@ def plan_memory(config, *, arch: Optional[ModelArch] = None, gpu: Optional[str] 
     capacity = cap_gib * GiB
     colocate = config.cluster.colocate
     r = config.rollout
-    trainer = _trainer(config, arch)
+    if transformer_engine is None:
+        transformer_engine = (config.train.backend != "megatron"
+                              or transformer_engine_available())
+    trainer = _trainer(config, arch, transformer_engine=transformer_engine)
     engine = _engine(config, arch, capacity)
+    bucket = _push_bucket(config, arch)
     engine_changes = [f"a lower rollout.mem_fraction_static (now {r.mem_fraction_static:g})"]
+    startup_changes = ("more tensor/pipeline parallelism for training (smaller shards)",
+                       "train.use_distributed_optimizer=false (no second parameter buffer "
+                       "at start-up; the optimizer state is then not sharded)"
+                       if config.train.backend == "megatron" and config.train.use_distributed_optimizer
+                       else "more training ranks")
     if colocate:
-        # Rows keep their names across phases: the rollout column shows what the trainer
-        # leaves on the GPU between training phases, the training column what the
-        # released engine keeps ("-": not on the GPU at that moment).
-        rollout = Phase("rollout", r.num_gpus, tuple(trainer.resident + engine.active))
-        training = Phase("training", r.num_gpus, tuple(trainer.items + engine.kept))
-        phases = (rollout, training)
+        # Rows keep their names across phases: "-" is not on the GPU at that moment. In
+        # order: the engines start alone; they release their memory and the ranks build
+        # (trainer.runtime); the ranks offload and the engines get their weights back for
+        # the push (the first one, and every step's); they generate; they release for
+        # training.
+        weights_back = [i for i in engine.active if i.name == "engine weights"] + engine.kept
+        phases = (
+            Phase("engine start-up", r.num_gpus, tuple(
+                i for i in engine.active if i.name != "engine prefill activations")),
+            Phase("trainer start-up", r.num_gpus, tuple(trainer.startup + engine.kept)),
+            Phase("weight push", r.num_gpus, tuple(trainer.resident + [bucket] + weights_back)),
+            Phase("rollout", r.num_gpus, tuple(trainer.resident + engine.active)),
+            Phase("training", r.num_gpus, tuple(trainer.items + engine.kept)))
         kept = sum(i.nbytes for i in trainer.resident) / GiB
         suggestions = {
+            "engine start-up": tuple(engine_changes),
+            "trainer start-up": startup_changes + ("cluster.colocate=false",),
+            "weight push": (f"a lower train.weight_bucket_mb (now {config.train.weight_bucket_mb})",
+                            engine_changes[0]),
             "rollout": (engine_changes[0] + f": the trainer keeps {kept:.1f} GiB on each GPU "
                         "while the engines generate",
                         "cluster.colocate=false",
                         "more tensor/pipeline parallelism for training (smaller resident shards)"),
-            "training": tuple(_training_changes(config, trainer, training, capacity, True)),
+            "training": tuple(_training_changes(config, trainer, phases[-1], capacity, True)),
         }
         layout = (f"colocated: {r.num_gpus} GPUs, each with a training rank and an engine "
                   "(shard) taking turns")
     else:
+        world = config.train.world_size
         phases = (Phase("engine GPUs", r.num_gpus, tuple(engine.active)),
-                  Phase("training GPUs", config.train.world_size, tuple(trainer.items)))
+                  Phase("trainer start-up", world, tuple(trainer.startup)),
+                  Phase("weight push", world, tuple(trainer.at_rest + [bucket])),
+                  Phase("training GPUs", world, tuple(trainer.items)))
         suggestions = {
             "engine GPUs": tuple(engine_changes) + (
                 f"rollout.num_gpus_per_engine > {r.num_gpus_per_engine} (engine TP)",),
-            "training GPUs": tuple(_training_changes(config, trainer, phases[1], capacity, False)),
+            "trainer start-up": startup_changes,
+            "weight push": (f"a lower train.weight_bucket_mb (now {config.train.weight_bucket_mb})",),
+            "training GPUs": tuple(_training_changes(config, trainer, phases[-1], capacity, False)),
         }
         layout = (f"disaggregated: {r.num_gpus} engine GPUs + {config.train.world_size} "
                   "training GPUs")
@@ -901,9 +1052,16 @@ def plan_memory(config, *, arch: Optional[ModelArch] = None, gpu: Optional[str] 
                f"({cap_gib:g} GiB each); {layout}",
                f"engines: {config.derived.num_engines} x SGLang TP {r.num_gpus_per_engine}, "
                f"mem_fraction_static {r.mem_fraction_static:g}"
-               + ("; memory saver: weights and KV released while training" if colocate else ""),
+               + (("; memory saver: weights, KV cache" + (" and decode CUDA graphs"
+                   if engine_releases_cuda_graphs(config) else "") + " released while training")
+                  if colocate else ""),
                *trainer.summary, *engine.summary]
     notes = list(engine.notes)
+    scores = phases[-1].get("attention scores")
+    if scores:
+        notes.append(f"Megatron without Transformer Engine: its local attention materialises "
+                     f"every score matrix in fp32 ({scores / GiB:.1f} GiB at the training peak); "
+                     f"{TE_FIX}")
     tight = [p.name for p in phases if 0 <= capacity - p.total < TIGHT_FRACTION * capacity]
     if tight:
         notes.append(f"under {TIGHT_FRACTION:.0%} headroom at {', '.join(tight)}: allocator "
@@ -914,15 +1072,16 @@ def plan_memory(config, *, arch: Optional[ModelArch] = None, gpu: Optional[str] 
                       suggestions=suggestions)
 
 
-def check_memory(config, *, print_fn: Callable[[str], Any] = print) -> Optional[MemoryPlan]:
+def check_memory(config, *, print_fn: Callable[[str], Any] = print,
+                 transformer_engine: Optional[bool] = None) -> Optional[MemoryPlan]:
     """The start-up check: on a GPU config, plan the layout and refuse one that cannot
     fit (MemoryPlanError, a ConfigError, listing each component in GiB and what to
     change); print one line otherwise. CPU configs: nothing to check, returns None.
     ``cluster.memory_check=false`` (where the config has that key) prints the whole plan
-    and goes ahead whatever it says."""
+    and goes ahead whatever it says. ``transformer_engine`` as in ``plan_memory``."""
     if config.cluster.device != "cuda":
         return None
-    plan = plan_memory(config)
+    plan = plan_memory(config, transformer_engine=transformer_engine)
     if not getattr(config.cluster, "memory_check", True):
         print_fn(plan.table())
         if not plan.fits:
@@ -933,4 +1092,7 @@ def check_memory(config, *, print_fn: Callable[[str], Any] = print) -> Optional[
     print_fn(f"homegym: memory plan ({plan.layout}): peak {peak.total / GiB:.1f} of "
              f"{plan.capacity / GiB:.1f} GiB per {plan.gpu} GPU ({peak.name}); the table: "
              "python scripts/memory_plan.py with the same overrides")
+    for note in plan.notes:
+        if note.startswith("Megatron without Transformer Engine"):
+            print_fn(f"homegym: warning: {note}")
     return plan
