@@ -2,7 +2,7 @@
 """GPU smoke test: what the GPU recipes run, on one GPU, in under 8 minutes, without Ray.
 
     python scripts/gpu_smoke.py                 # exit 0: all passed; 1: a check failed; 2: no CUDA
-    python scripts/gpu_smoke.py --print-wheels  # the wheels a bare GPU box needs, and how to fetch them
+    python scripts/gpu_smoke.py --print-wheels  # the wheels a bare GPU box needs, how to get them
 
 Needs torch and transformers (recent versions, not necessarily the pinned ones) and the
 small wheels ``--print-wheels`` lists (megatron-core, hydra-core, omegaconf, antlr4,
@@ -744,7 +744,8 @@ def memory_saver_child(args, report: Report) -> None:
             tms.pause(tag)
             gained = free() - before
             if gained < 0.95 * size:
-                raise AssertionError(f"pausing {tag} freed {gained / MIB:.1f} MiB of {size / MIB:.0f}")
+                raise AssertionError(f"pausing {tag} freed {gained / MIB:.1f} MiB of "
+                                     f"{size / MIB:.0f}")
             out.append(f"{tag} +{gained / MIB:.0f} MiB")
         before = free()
         tms.pause("cuda_graph")
@@ -759,7 +760,7 @@ def memory_saver_child(args, report: Report) -> None:
         before = free()
         tms.resume()
         taken = before - free()
-        moved = {k: state[k].data_ptr() for k in state["ptrs"] if state[k].data_ptr() != state["ptrs"][k]}
+        moved = [k for k, ptr in state["ptrs"].items() if state[k].data_ptr() != ptr]
         if moved:
             raise AssertionError(f"addresses changed across pause/resume: {sorted(moved)}")
         want = torch.arange(16 * MIB, dtype=torch.int32, device="cuda")

@@ -431,7 +431,8 @@ def test_multiturn_prefix_cache_matches_fresh_forward(engine, ref_model):
         want = fresh_logprobs(ref_model, p2, o2["output_ids"], 0.9)
         assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
     # As SGLang, a weight update keeps the cache unless it asks for a flush (the pusher
-    # flushes: trainer/weight_sync/engine_updates.py); a flush, or an update with flush_cache, drops it.
+    # flushes: trainer/weight_sync/engine_updates.py); a flush, or an update with
+    # flush_cache, drops it.
     sd = ref_model.state_dict()
     push_tensors(engine.client, [("model.norm.weight", sd["model.norm.weight"])], version="default")
     third = turn([second_prompts[0] + second[0]["output_ids"] + [5]], 2)

@@ -2,7 +2,7 @@
 
 A real CPU engine (which keeps its prefix cache across an update unless asked to flush,
 as SGLang does), the real update sequence (trainer.weight_sync.engine_updates) and the rank side's
-real push (trainer.weights.send_weights over SGLang's tensor route); the rollout's requests
+real push (trainer.weight_sync.push.send_weights over SGLang's tensor route); the rollout's requests
 go through rollout.http.post with its process-wide gate, on an event loop of their own.
 """
 

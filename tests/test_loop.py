@@ -222,9 +222,10 @@ def test_colocated_run_starts_and_takes_turns_in_order(ray_local, tmp_path, monk
     on the engine itself when the ranks start), the ranks offload once built, and the first
     push, the base evaluation and the first rollout all run with the ranks offloaded; each
     step releases the engines, onloads, trains, offloads, then resumes weights, pushes,
-    resumes the KV cache (and the warm-up takes the same turn). Real runtime (Ray, CPU engine, FSDP or Megatron ranks on CPU); the engine group, train group,
-    weight sync and manager are wrapped to record their calls, and Megatron's ranks are
-    asked whether their state is really offloaded at each recorded moment."""
+    resumes the KV cache (and the warm-up takes the same turn). Real runtime (Ray, CPU
+    engine, FSDP or Megatron ranks on CPU); the engine group, train group, weight sync and
+    manager are wrapped to record their calls, and Megatron's ranks are asked whether their
+    state is really offloaded at each recorded moment."""
     if backend == "megatron":
         pytest.importorskip("megatron.core")
     from rollout.engines.group import EngineGroup

@@ -100,8 +100,9 @@ Engines (SGLang, rollout.num_gpus_per_engine = engine TP):
 
 Layouts and phases (each must fit):
   colocated      every GPU holds one training rank and an engine (shard), which take
-                 turns (trainer.runtime, trainer.engine_updates): engine start-up (the
-                 engine alone: static + runtime + graphs); trainer start-up (the engines
+                 turns (trainer.driver.runtime, trainer.weight_sync.engine_updates):
+                 engine start-up (the engine alone: static + runtime + graphs); trainer
+                 start-up (the engines
                  released: the rank's start-up peak + what a released engine keeps);
                  weight push (the ranks offloaded, the engines' weights back: the first
                  push, before the base evaluation and rollout 1, and every step's);
@@ -1000,15 +1001,17 @@ def plan_memory(config, *, arch: Optional[ModelArch] = None, gpu: Optional[str] 
     engine = _engine(config, arch, capacity)
     bucket = _push_bucket(config, arch)
     engine_changes = [f"a lower rollout.mem_fraction_static (now {r.mem_fraction_static:g})"]
+    train = config.train
     startup_changes = ("more tensor/pipeline parallelism for training (smaller shards)",
                        "train.use_distributed_optimizer=false (no second parameter buffer "
                        "at start-up; the optimizer state is then not sharded)"
-                       if config.train.backend == "megatron" and config.train.use_distributed_optimizer
+                       if train.backend == "megatron" and train.use_distributed_optimizer
                        else "more training ranks")
+    smaller_bucket = f"a lower train.weight_bucket_mb (now {train.weight_bucket_mb})"
     if colocate:
         # Rows keep their names across phases: "-" is not on the GPU at that moment. In
         # order: the engines start alone; they release their memory and the ranks build
-        # (trainer.runtime); the ranks offload and the engines get their weights back for
+        # (trainer.driver.runtime); the ranks offload and the engines get their weights back for
         # the push (the first one, and every step's); they generate; they release for
         # training.
         weights_back = [i for i in engine.active if i.name == "engine weights"] + engine.kept
@@ -1023,8 +1026,7 @@ def plan_memory(config, *, arch: Optional[ModelArch] = None, gpu: Optional[str] 
         suggestions = {
             "engine start-up": tuple(engine_changes),
             "trainer start-up": startup_changes + ("cluster.colocate=false",),
-            "weight push": (f"a lower train.weight_bucket_mb (now {config.train.weight_bucket_mb})",
-                            engine_changes[0]),
+            "weight push": (smaller_bucket, engine_changes[0]),
             "rollout": (engine_changes[0] + f": the trainer keeps {kept:.1f} GiB on each GPU "
                         "while the engines generate",
                         "cluster.colocate=false",
@@ -1043,7 +1045,7 @@ def plan_memory(config, *, arch: Optional[ModelArch] = None, gpu: Optional[str] 
             "engine GPUs": tuple(engine_changes) + (
                 f"rollout.num_gpus_per_engine > {r.num_gpus_per_engine} (engine TP)",),
             "trainer start-up": startup_changes,
-            "weight push": (f"a lower train.weight_bucket_mb (now {config.train.weight_bucket_mb})",),
+            "weight push": (smaller_bucket,),
             "training GPUs": tuple(_training_changes(config, trainer, phases[-1], capacity, False)),
         }
         layout = (f"disaggregated: {r.num_gpus} engine GPUs + {config.train.world_size} "

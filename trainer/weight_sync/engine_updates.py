@@ -55,7 +55,8 @@ def update_generating_engines(engines, weights, version: int, *, update_in_fligh
         finally:
             engines.continue_generation()
     if update_in_flight != "pause":
-        raise ValueError(f"rollout.update_in_flight must be pause or abort (got {update_in_flight!r})")
+        raise ValueError("rollout.update_in_flight must be pause or abort "
+                         f"(got {update_in_flight!r})")
     hold()
     try:
         engines.pause_generation(mode="in_place")
