@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import fresh_logprobs, wait_for
 from rollout.engines import EngineServer, HFLaunch
 from rollout.engines.group import EngineTarget, EngineView
 from trainer.weight_sync.engine_updates import update_generating_engines
@@ -72,15 +73,13 @@ class Pusher:
         return send_weights([self.named], plan, rank=0, world_size=1)
 
 
-def fresh_logprobs(model_path, named, prompt, output):
+def model_with(model_path, named):
+    """The HF model holding ``named`` weights, for reference log-probs."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="eager").eval()
     model.load_state_dict(dict(named), strict=False)
-    ids = torch.tensor([prompt + output])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+    return model
 
 
 @pytest.mark.parametrize("mode", ["pause", "abort"])
@@ -118,8 +117,6 @@ def test_no_request_after_a_push_uses_kv_of_the_old_weights(engine, loop, tiny_m
             fn()
         asyncio.run_coroutine_threadsafe(call(), loop).result(10)
 
-    from conftest import wait_for
-
     wait_for(lambda: engine.client.server_info()["num_running_reqs"] == 1, timeout_s=30,
              what="the long request to be decoding")
     update_generating_engines(
@@ -131,8 +128,8 @@ def test_no_request_after_a_push_uses_kv_of_the_old_weights(engine, loop, tiny_m
     assert out["weight_version"] == "1" and out["weight_versions"] == ["1"]
     assert out["cached_tokens"] == 0, "turn 2 was served KV computed with the old weights"
     got = torch.tensor([lp for lp, _, _ in out["output_token_logprobs"]])
-    want = fresh_logprobs(tiny_model_path, new, second_prompt,
-                          second[0].result()["output_ids"])
+    want = fresh_logprobs(model_with(tiny_model_path, new), second_prompt,
+                          second[0].result()["output_ids"], 0.0)
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
     finished = in_flight.result(120)["meta_info"]
     if mode == "pause":
