@@ -489,3 +489,24 @@ def test_the_readme_and_docs_tables_are_the_plan():
                                               + (disagg if layout == "disaggregated" else [])))
             shown = [float(c.split()[0]) for c in cells.split(" | ") if c.strip() != "-"]
             assert shown == [round(p.total / GiB, 1) for p in plan.phases], (doc, recipe, layout)
+
+
+def test_a_layout_whose_start_up_cannot_fit_is_refused_with_its_numbers():
+    """Short samples make training lighter than a rank's start-up (DDP's buffers next to
+    the parameters): on a GPU between the two, the start-up phase alone is refused, with
+    its components and what to change."""
+    config = compose_config(["+recipe=qwen_4b", "model.max_context_len=1024",
+                             "train.max_tokens_per_micro_batch=1024",
+                             "rollout.mem_fraction_static=0.3"])
+    plan = plan_memory(config)
+    startup = plan.phase("trainer start-up")
+    others = max(p.total for p in plan.phases if p.name != "trainer start-up")
+    assert startup.total > others
+    gib = (startup.total + others) / 2 / GiB
+    tight = plan_memory(config, gpu_memory_gib=gib)
+    message = tight.error_message()
+    assert [p.name for p in tight.phases if p.total > tight.capacity] == ["trainer start-up"]
+    assert message.count("GiB per GPU, more than") == 1
+    assert f"trainer start-up: {startup.total / GiB:.1f} GiB per GPU" in message
+    assert f"largest: start-up peak {startup.get('start-up peak') / GiB:.1f} GiB" in message
+    assert "train.use_distributed_optimizer=false" in message and "cluster.colocate=false" in message
