@@ -155,14 +155,15 @@ def smoke_batch():
     return make_batch(num_groups=2, group_size=4, seed=3, common_start=4)
 
 
-def smoke_config(backend: str, device: str, model_path: str, dtype: str = "float32", **train):
+def smoke_config(backend: str, device: str, model_path: str, dtype: str = "float32",
+                 engine: str = "sglang", **train):
     from config import build_config
 
     cluster = {"device": device, "torch_threads": 1 if device == "cpu" else 4}
     rollout = {"rollout_batch_size": 2, "n_samples_per_prompt": 4}
     if device == "cuda":
         cluster["gpus_per_node"] = 1
-        rollout.update(engine="sglang", num_gpus=1)
+        rollout.update(engine=engine, num_gpus=1)
     else:
         rollout.update(engine="hf", num_engines=1)
     return build_config({
@@ -806,9 +807,10 @@ def startup_child(args, report: Report) -> None:
         model_dir.mkdir(exist_ok=True)
         (model_dir / "config.json").write_text(json.dumps(QWEN3_4B))
         # The recipe's training settings on one rank (TP 1, DP 1).
+        # (engine=hf: the plan's engine side is not measured here, and planning SGLang's
+        # would import its launcher, whose HTTP client this machine may lack)
         config = smoke_config("megatron", "cuda", str(model_dir), dtype="bfloat16",
-                              gradient_checkpointing=True)
-        config.rollout.engine = "hf"  # the plan's engine side is not measured here
+                              engine="hf", gradient_checkpointing=True)
         planned = plan_memory(config, transformer_engine=have_transformer_engine())
         item = [i for i in planned.phase("trainer start-up").items if i.name == "start-up peak"][0]
         state.update(config=config, planned=item.nbytes)
