@@ -42,7 +42,7 @@ class _GenerateGate:
     flight finish on the new weights, and the engines' prefix cache then holds KV of the
     old ones until it is flushed, which SGLang does only on an idle engine. While held,
     ``post`` keeps every new /generate back, so none is served from that KV
-    (trainer/turns.py closes and opens it through the rollout manager)."""
+    (trainer/weight_sync/engine_updates.py closes and opens it through the rollout manager)."""
 
     def __init__(self) -> None:
         self._open = asyncio.Event()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import fresh_logprobs, wait_for
+from conftest import fresh_logprobs, starts_processes, wait_for
 from rollout.engines import EngineServer, HFLaunch
 from rollout.engines.group import EngineTarget, EngineView
 from trainer.weight_sync.engine_updates import update_generating_engines
@@ -23,6 +23,7 @@ CTX = 256
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def engine(tiny_model_path, tmp_path_factory):
     eng = EngineServer(HFLaunch(model_path=tiny_model_path, max_context_len=CTX), "hf-upd",
                        str(tmp_path_factory.mktemp("hf-upd")))

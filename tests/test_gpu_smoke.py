@@ -24,6 +24,7 @@ def smoke(*args, timeout_s=120, env=None):
                      env={**clean_env(), **(env or {})})
 
 
+@pytest.mark.subprocess
 def test_print_wheels_names_the_project_versions_and_how_to_fetch_them():
     out = smoke("--print-wheels").stdout
     lines = out.splitlines()
@@ -45,6 +46,7 @@ def test_print_wheels_names_the_project_versions_and_how_to_fetch_them():
     assert "cp311-cp311" in smoke("--print-wheels", "--python", "3.11").stdout
 
 
+@pytest.mark.subprocess
 def test_without_cuda_it_runs_nothing_and_exits_2():
     run = smoke()
     assert run.returncode == 2 and "CUDA is not available" in run.stderr

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO
 from config import ConfigError, compose_config
-from trainer.driver import memory_plan as mp
+from trainer.driver import components, memory_plan as mp
 from trainer.driver.memory_plan import (BUILTIN_ARCHS, ENGINE_CONTEXT_GIB, GiB, MemoryPlanError,
                                         MiB, ModelArch, TRAIN_CONTEXT_GIB, TRAIN_NCCL_GIB,
                                         gpu_capacity, model_arch)
@@ -442,7 +442,7 @@ def test_colocated_engines_release_their_cuda_graphs_because_their_launch_says_s
     from rollout.engines import actor
 
     config = compose_config(["+recipe=qwen_4b"])
-    assert actor.releases_cuda_graphs(actor.spec_from_config(config, config.model.path))
+    assert actor.releases_cuda_graphs(components.engine_spec(config, config.model.path))
     assert plan_memory(config).phase("training").get("engine CUDA graphs") == 0
     monkeypatch.setattr(actor.SGLangLaunch, "__post_init__", lambda self: None)
     kept = plan_memory(config).phase("training").get("engine CUDA graphs")

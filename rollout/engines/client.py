@@ -15,7 +15,7 @@ Both: the served weight version is ``/model_info``'s ``weight_version``
 homegym-only is ever sent; a weight update with ``flush_cache: true`` fails (0.5.23) or
 kills the scheduler (0.5.18, an assert) when any request is queued, so updates never flush
 and the caller flushes once after the update (``flush_cache``: SGLang's deferred flush,
-which runs as soon as the server is idle; trainer/turns.py says when).
+which runs as soon as the server is idle; trainer/weight_sync/engine_updates.py says when).
 """
 
 from __future__ import annotations

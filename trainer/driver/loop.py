@@ -275,9 +275,12 @@ class Driver:
     @contextlib.contextmanager
     def trainer_turn(self, metrics: dict[str, float]) -> Iterator[None]:
         """Colocated: the engines release their memory and the ranks onload for the
-        block, and offload after it (the next push gives the engines theirs back)."""
-        if self.config.cluster.colocate:
-            self.with_recovery(self.rt.engines.release_memory, metrics)
+        block, and offload after it (the next push gives the engines theirs back).
+        Disaggregated: the ranks keep their GPUs; nothing moves."""
+        if not self.config.cluster.colocate:
+            yield
+            return
+        self.with_recovery(self.rt.engines.release_memory, metrics)
         self.rt.train_group.onload()
         yield
         self.rt.train_group.offload()

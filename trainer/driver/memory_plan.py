@@ -922,11 +922,12 @@ def engine_releases_cuda_graphs(config) -> bool:
     """Whether the engines' decode CUDA graphs go with their memory when they release it:
     the memory saver's region holds them only when the launch sets
     SGLANG_MEMORY_SAVER_CUDA_GRAPH (rollout.engines.actor.releases_cuda_graphs)."""
-    from rollout.engines.actor import releases_cuda_graphs, spec_from_config
+    from rollout.engines.actor import releases_cuda_graphs
+    from trainer.driver.components import engine_spec
 
     if config.rollout.engine != "sglang":
         return False
-    return releases_cuda_graphs(spec_from_config(config, config.model.path))
+    return releases_cuda_graphs(engine_spec(config, config.model.path))
 
 
 def transformer_engine_available() -> bool:
