@@ -64,14 +64,14 @@ def _mentioning(marker):
 # tests/test_faults_signals.py) and stops a real run in each short chaos soak
 # (tests/test_faults_chaos.py: "stopped after the step, saved", then resumed).
 @pytest.mark.parametrize("sig", [signal.SIGINT], ids=["sigint"])
-def test_signal_stops_the_run_cleanly_and_leaks_no_secret(tmp_path, sig):
+def test_signal_stops_the_run_cleanly_and_leaks_no_secret(tmp_path, sig, ray_address):
     out = tmp_path / "out"
     run_dir = out / "stopme"
     env_secret = f"hg-env-secret-{uuid.uuid4().hex}"
     cfg_secret = f"hg-cfg-secret-{uuid.uuid4().hex}"
     env = dict(clean_env(), WANDB_API_KEY=env_secret,
                HOMEGYM_API_KEY=env_secret)
-    cmd = [sys.executable, "-m", "trainer.main", "warmup.steps=2", "train.num_steps=200",
+    cmd = [sys.executable, "-m", "trainer.main", "warmup.steps=0", "train.num_steps=200",
            *SMALL, "logging.wandb_mode=offline", f"logging.output_dir={out}",
            "logging.run_name=stopme", f"+rollout.extra_config.reward_api_key={cfg_secret}"]
     log_path = tmp_path / "driver.log"
@@ -142,7 +142,9 @@ def test_signal_stops_the_run_cleanly_and_leaks_no_secret(tmp_path, sig):
     ckpt = run_dir / "checkpoints" / f"step_{stopped[0]:06d}"
     assert (ckpt / "COMPLETE").exists() and (run_dir / "checkpoints" / "latest").resolve() == ckpt
     if sig == signal.SIGINT:  # one resume is enough for both signals
+        # The resumed run joins the session's Ray: what it leaves behind is not checked.
         resumed = run_main(tmp_path, *SMALL, f"train.resume={ckpt}",
-                           f"train.num_steps={stopped[0] + 1}", run_name="resumed")
+                           f"train.num_steps={stopped[0] + 1}", run_name="resumed",
+                           ray_address=ray_address)
         assert f"resumed from {ckpt} at step {stopped[0]}" in resumed.output
         assert [r["step"] for r in resumed.metrics if "rollout/raw_reward" in r] == [stopped[0] + 1]

@@ -105,7 +105,8 @@ def expected_data_order(config, num_steps):
 
 
 def test_a_killed_run_resumes_the_same_run_which_learns_and_writes_its_run_dir(tmp_path,
-                                                                              tiny_model_path):
+                                                                              tiny_model_path,
+                                                                              ray_address):
     """A short run (warm-up, evaluation before and after, a checkpoint per step) is killed
     whole (SIGKILL to its process group) once its second checkpoint is complete, then
     started again with the same command: it resumes the same run (same wandb run, the data
@@ -132,7 +133,8 @@ def test_a_killed_run_resumes_the_same_run_which_learns_and_writes_its_run_dir(t
     last = int(done[-1].split("_")[1])
     assert last < 4, "the run finished before it was killed"
 
-    resumed = run_main(tmp_path, *SHORT, *overrides, run_name="killed")
+    # The first launch had a Ray of its own (killed with it); the resume joins the session's.
+    resumed = run_main(tmp_path, *SHORT, *overrides, run_name="killed", ray_address=ray_address)
     assert f"at step {last}" in resumed.output
     assert (run / "wandb_id.txt").read_text() == wandb_id  # same wandb run, resumed
     rows = [r for r in resumed.metrics if "rollout/raw_reward" in r]  # both launches
