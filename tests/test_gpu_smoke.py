@@ -5,7 +5,6 @@ import ast
 import importlib.metadata
 import re
 import sys
-import zipfile
 
 import pytest
 
@@ -58,18 +57,14 @@ def _definitions(source: str) -> dict:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
 
 
-def test_the_vendored_receiver_is_sglangs_own_code():
+def test_the_vendored_receiver_is_sglangs_own_code(sglang_wheels):
     """Every function and class in the vendored files is, statement for statement, the one
     in the sglang 0.5.18 wheel (read from the wheel itself)."""
-    from sglang_source import SglangSourceUnavailable, _find_wheel, wheel_dir
-
     try:
-        wheel = _find_wheel(wheel_dir("0.5.18"), "0.5.18")
-    except SglangSourceUnavailable as err:
-        pytest.skip(f"the sglang 0.5.18 wheel is not available: {err}")
-    with zipfile.ZipFile(wheel) as zf:
-        theirs = {rel: zf.read(f"sglang/srt/{rel}").decode() for rel in (
+        theirs = {rel: sglang_wheels.source_text("0.5.18", f"sglang/srt/{rel}") for rel in (
             "utils/patch_torch.py", "utils/common.py", "weight_sync/tensor_bucket.py")}
+    except sglang_wheels.SglangSourceUnavailable as err:
+        pytest.skip(f"the sglang 0.5.18 wheel is not available: {err}")
     pairs = {"patch_torch.py": "utils/patch_torch.py", "serializer.py": "utils/common.py",
              "tensor_bucket.py": "weight_sync/tensor_bucket.py"}
     for ours, rel in pairs.items():
