@@ -40,6 +40,8 @@ def _audit_spawns(event: str, args) -> None:
             _fast_guard["spawned"].append(" ".join(map(str, argv))[:160])
     elif event in ("os.posix_spawn", "os.spawn", "os.system", "os.exec"):
         _fast_guard["spawned"].append(f"{event} {str(args)[:140]}")
+    elif event == "homegym.sglang_wheel":  # sglang_source.wheel_dir: pip download when uncached
+        _fast_guard["spawned"].append(f"pip download sglang=={args[0]} (on a fresh cache)")
 
 
 sys.addaudithook(_audit_spawns)

@@ -86,6 +86,9 @@ def wheel_dir(version: str) -> Path:
     concurrent test processes (a file lock). Raises SglangSourceUnavailable."""
     if not re.fullmatch(r"[0-9A-Za-z.+!-]+", version):
         raise ValueError(f"not a version: {version!r}")
+    # The fast-tier guard (conftest) counts this as a process start even when the wheel is
+    # cached: on a fresh clone it is one (pip download), and a warm cache must not hide it.
+    sys.audit("homegym.sglang_wheel", version)
     d = cache_root() / "sglang-wheels" / version
     d.mkdir(parents=True, exist_ok=True)
     from filelock import FileLock
