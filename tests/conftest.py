@@ -1,5 +1,6 @@
 """Shared fixtures: one torch thread per process, a model cache, a real local Ray."""
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -276,6 +277,20 @@ def chaos_module():
         sys.modules["chaos_soak"] = module
         spec.loader.exec_module(module)
     return sys.modules["chaos_soak"]
+
+
+@contextlib.contextmanager
+def running_engine(launch, name: str, log_dir):
+    """A homegym engine server (``rollout.engines.EngineServer``) started for the block and
+    shut down after it; the fixture or test using it must be in the subprocess tier."""
+    from rollout.engines import EngineServer
+
+    eng = EngineServer(launch, name, str(log_dir))
+    eng.start()
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
 
 
 def wait_for(predicate, *, timeout_s: float, what: str, interval_s: float = 0.01):

@@ -8,7 +8,7 @@ import pytest
 import requests
 import torch
 
-from conftest import fresh_logprobs, push_tensors, starts_processes, wait_for
+from conftest import fresh_logprobs, push_tensors, running_engine, starts_processes, wait_for
 from rollout.models import cache_kwarg
 from rollout.engines import (PINNED_SGLANG_VERSION, EngineError, EngineServer, HFLaunch,
                              MultiprocessingSerializer)
@@ -20,11 +20,9 @@ CTX = 256
 @pytest.fixture(scope="module")
 @starts_processes
 def engine(tiny_model_path, tmp_path_factory):
-    eng = EngineServer(HFLaunch(model_path=tiny_model_path, max_context_len=CTX), "hf-test",
-                       str(tmp_path_factory.mktemp("hf-engine")))
-    eng.start()
-    yield eng
-    eng.shutdown()
+    with running_engine(HFLaunch(model_path=tiny_model_path, max_context_len=CTX), "hf-test",
+                        tmp_path_factory.mktemp("hf-engine")) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +128,8 @@ def test_native_kernels_off_computes_the_same(engine, tiny_model_path, tmp_path,
     same greedy tokens, same log-probs, as the engine with its C kernels and packed
     matmuls."""
     monkeypatch.setenv("HOMEGYM_NATIVE_KERNELS", "0")
-    plain = EngineServer(HFLaunch(model_path=tiny_model_path, max_context_len=CTX), "hf-plain",
-                         str(tmp_path))
-    plain.start()
-    try:
+    with running_engine(HFLaunch(model_path=tiny_model_path, max_context_len=CTX), "hf-plain",
+                        tmp_path) as plain:
         for p in prompts(4, seed=9):
             payload = {"input_ids": p, "return_logprob": True,
                        "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
@@ -142,8 +138,6 @@ def test_native_kernels_off_computes_the_same(engine, tiny_model_path, tmp_path,
             la, lb = (torch.tensor([lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
                       for o in (a, b))
             assert torch.allclose(la, lb, atol=1e-4), (la - lb).abs().max()
-    finally:
-        plain.shutdown()
 
 
 def test_seed_is_reproducible_and_n(engine):

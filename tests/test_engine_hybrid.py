@@ -11,8 +11,8 @@ import pytest
 import requests
 import torch
 
-from conftest import fresh_logprobs, push_tensors, starts_processes
-from rollout.engines import EngineServer, HFLaunch
+from conftest import fresh_logprobs, push_tensors, running_engine, starts_processes
+from rollout.engines import HFLaunch
 
 CTX = 256
 ATOL = 1e-4  # the engine's log-prob contract (tests/test_engine_hf.py)
@@ -167,11 +167,9 @@ def test_next_turn_resumes_from_the_state_at_the_end_of_the_previous_call(models
 @pytest.fixture(scope="module")
 @starts_processes
 def engine(tiny_qwen3_5_path, tmp_path_factory):
-    eng = EngineServer(HFLaunch(model_path=tiny_qwen3_5_path, max_context_len=CTX), "hf-q35",
-                       str(tmp_path_factory.mktemp("hf-q35")))
-    eng.start()
-    yield eng
-    eng.shutdown()
+    with running_engine(HFLaunch(model_path=tiny_qwen3_5_path, max_context_len=CTX), "hf-q35",
+                        tmp_path_factory.mktemp("hf-q35")) as eng:
+        yield eng
 
 
 def gen(engine, payload):

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import fresh_logprobs, starts_processes, wait_for
-from rollout.engines import EngineServer, HFLaunch
+from conftest import fresh_logprobs, running_engine, starts_processes, wait_for
+from rollout.engines import HFLaunch
 from rollout.engines.group import EngineTarget, EngineView
 from trainer.weight_sync.engine_updates import update_generating_engines
 from trainer.weight_sync.push import PushPlan, send_weights
@@ -25,11 +25,9 @@ CTX = 256
 @pytest.fixture(scope="module")
 @starts_processes
 def engine(tiny_model_path, tmp_path_factory):
-    eng = EngineServer(HFLaunch(model_path=tiny_model_path, max_context_len=CTX), "hf-upd",
-                       str(tmp_path_factory.mktemp("hf-upd")))
-    eng.start()
-    yield eng
-    eng.shutdown()
+    with running_engine(HFLaunch(model_path=tiny_model_path, max_context_len=CTX), "hf-upd",
+                        tmp_path_factory.mktemp("hf-upd")) as eng:
+        yield eng
 
 
 @pytest.fixture()
