@@ -116,8 +116,7 @@ async def post(url: str, payload: Optional[dict] = None, *, max_retries: int = 8
     and route, with the status and the server's message.
     """
     if url.endswith("/generate"):
-        if GATE.held:
-            await GATE.wait()
+        await GATE.wait()  # returns at once while the gate is open
         if ABORT.on:
             return _abort_response()
     if LORA_ADAPTER[0] is not None and url.endswith("/generate") and isinstance(payload, dict) \
