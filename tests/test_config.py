@@ -91,6 +91,16 @@ def test_qwen_4b_matches_the_seed_recipe():
     assert c.rollout.extra_config["max_turns"] == 6
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gpu_recipes_correct_the_engines_bf16_gap(recipe):
+    """SGLang's bf16 engines never compute the trainer's log-probs: every GPU recipe trains
+    with the chosen correction (docs/algorithms.md), CPU recipes keep the default."""
+    config = compose_config(f"+recipe={recipe}")
+    gpu = config.cluster.device == "cuda"
+    assert config.algo.rollout_correction == ("token_tis" if gpu else "none")
+    assert config.algo.correction_bounds == ((None, 2.0) if gpu else (None, None))
+
+
 def test_unknown_key_is_named():
     with pytest.raises(ConfigError, match="bogus"):
         compose_config("rollout.bogus=1")
