@@ -72,6 +72,10 @@ def test_async_run_restarts_a_killed_engine_on_the_current_policy_within_the_sta
     # Generation of step s+1 overlapped training of step s: its samples are one version old.
     assert any(r["async/max_staleness"] == 1 for r in rows)
     assert any(r.get("async/staleness_1", 0) > 0 for r in rows)
+    # The trainer's side of it, every step (issue 34): policy versions between the weights
+    # that train a batch and its samples'.
+    assert all(0 <= r["mismatch/staleness_mean"] <= r["mismatch/staleness_max"] <= 1 for r in rows)
+    assert any(r["mismatch/staleness_max"] == 1 for r in rows)
     for key in ("perf/trainer_wait_time", "perf/engine_idle_time", "perf/weight_sync_time",
                 "perf/weight_sync_bytes"):
         assert all(key in r for r in rows), key
