@@ -96,17 +96,31 @@ def test_import_graph_has_no_cycle():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-@pytest.mark.subprocess
-def test_config_imports_nothing_heavy_and_nothing_of_the_project():
-    code = ("import json, sys, config; config.compose_config(); "
-            "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
+def _loaded_after(statement: str) -> set[str]:
+    """The top-level packages a fresh interpreter holds after running ``statement``."""
+    code = f"import json, sys; {statement}; print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}})))"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=120, check=True).stdout
-    loaded = set(json.loads(out))
+    return set(json.loads(out))
+
+
+@pytest.mark.subprocess
+def test_config_imports_nothing_heavy_and_nothing_of_the_project():
+    loaded = _loaded_after("import config; config.compose_config()")
     assert "config" in loaded and "hydra" in loaded  # the check saw the real import
     assert not loaded & set(HEAVY), loaded & set(HEAVY)
     assert not loaded & (set(LAYERS) - {"config"}), loaded & set(LAYERS)
+
+
+@pytest.mark.subprocess
+def test_an_engine_actor_process_does_not_import_torch():
+    """Each engine's Ray actor only supervises its server process and speaks HTTP to it;
+    torch costs every such process seconds of CPU at start-up (two per run, more on
+    restarts), so the actor's module and the rollout package's top level stay without it."""
+    loaded = _loaded_after("import rollout.engines.actor, rollout.engines")
+    assert "rollout" in loaded and "requests" in loaded  # the check saw the real import
+    assert "torch" not in loaded
 
 
 # Below the driver: what runs in Ray actors or is built per component.

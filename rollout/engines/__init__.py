@@ -20,8 +20,19 @@ from rollout.engines.client import (PINNED_SGLANG_VERSION, SUPPORTED_SGLANG_VERS
                                     EngineClient, EngineError, UnsupportedEngineVersion)
 from rollout.engines.group import EngineGroup, EngineTarget
 from rollout.engines.router import Router
-from rollout.engines.weights_io import (MultiprocessingSerializer, init_custom_process_group,
-                                        serialize_for_sglang)
+
+# weights_io imports torch; the processes that only supervise an engine or speak HTTP to one
+# (every engine actor, the rollout manager) import this package and need none of it.
+_WEIGHTS_IO = ("MultiprocessingSerializer", "init_custom_process_group", "serialize_for_sglang")
+
+
+def __getattr__(name: str):
+    if name in _WEIGHTS_IO:
+        from rollout.engines import weights_io
+
+        return getattr(weights_io, name)
+    raise AttributeError(f"module 'rollout.engines' has no attribute {name!r}")
+
 
 __all__ = ["EngineGroup", "EngineTarget", "EngineServer", "EngineClient", "EngineError",
            "UnsupportedEngineVersion", "PINNED_SGLANG_VERSION", "SUPPORTED_SGLANG_VERSIONS",
