@@ -7,7 +7,7 @@ import requests
 from rollout.engines import EngineClient, EngineServer, HFLaunch, Router, SGLangLaunch
 from rollout.engines.actor import bind_host
 from rollout.engines.group import EngineView
-from trainer.weight_sync.push import broadcast_ranks, source_rank
+from trainer.weight_sync.push import broadcast_group_ranks, source_rank
 from config import ClusterConfig, HomegymConfig, RolloutConfig, TrainConfig
 from trainer.driver import components
 
@@ -69,8 +69,9 @@ def test_engines_bind_the_node_address_on_a_multi_node_cluster():
     assert bind_host("10.0.0.9", 2, "10.0.0.5") == "10.0.0.9"  # an explicit address stays
 
 
-def test_broadcast_rank_offsets_count_every_tp_rank():
-    assert broadcast_ranks([2, 2, 1]) == ([1, 3, 5], 6)  # not 1 + engine index
+def test_each_engine_broadcast_group_holds_rank_0_and_every_tp_rank_of_the_engine():
+    assert broadcast_group_ranks(2) == (1, 3)  # the engine's TP ranks 1, 2 after the trainer
+    assert broadcast_group_ranks(1) == (1, 2)
     view = EngineView([EngineClient(f"http://h:{i}", "k") for i in range(2)], [2, 1], [0, 1])
     assert [(t.url, t.api_key, t.tp_size) for t in view.targets()] == [
         ("http://h:0", "k", 2), ("http://h:1", "k", 1)]

@@ -131,28 +131,53 @@ def test_engine_dies_mid_rollout_step_completes_and_engine_recovers(group, tiny_
     assert set(batch.weight_versions) == {5}
 
 
-def test_a_replaced_weight_broadcast_group_is_destroyed_on_rank_0_and_the_engines(
+def test_each_engine_has_its_own_broadcast_group_so_a_death_mid_push_holds_no_other_engine(
         group, tiny_model_path):
-    """Async recovery forms a broadcast group for the restarted engine, then one for all
-    engines: each new group replaces the last on rank 0 (torch's registry of groups) and on
-    every engine still running, so restarts leave no groups behind."""
+    """Distributed pushes go over one broadcast group per engine. A restarted engine gets a
+    group of its own and its predecessor's is destroyed on rank 0 (torch's registry of
+    groups), the survivor keeping its group. An engine that dies mid-push fails the push at
+    once while the other engine receives the whole push: a group shared by both would hold
+    it in a receive until WEIGHT_GROUP_TIMEOUT_S. Every group of a failed push is left, and
+    the next pushes form them anew, leaving none behind."""
+    import time
+
+    import psutil
+    from safetensors.torch import load_file
     from torch.distributed import distributed_c10d as c10d
 
+    from conftest import wait_for
     from rollout.engines.client import EngineError
+    from rollout.engines.hf.server import WEIGHT_GROUP_TIMEOUT_S
     from trainer.training.train_group import TrainActor
-    from trainer.weight_sync.push import send_weights
+    from trainer.weight_sync.push import WeightSyncError, send_weights
 
     cfg = config(num_engines=2)
     # the rank's own methods, in this process
     rank0 = TrainActor(rank=0, world_size=1, **components.backend_args(cfg))
 
+    def dead(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
     class Policy:
         init_weight_broadcast = rank0.init_weight_broadcast
         destroy_weight_broadcast = rank0.destroy_weight_broadcast
+        dying = None  # an engine server to SIGKILL once the push's sessions are open
 
         def send_weights(self, plan):
-            return send_weights([_weights(tiny_model_path, 2.0)], plan, rank=0, world_size=1,
-                                weight_group=rank0._weight_group)
+            return send_weights(self.buckets(), plan, rank=0, world_size=1,
+                                weight_groups=[rank0._weight_groups[n] for n in plan.group_names])
+
+        def buckets(self):
+            if self.dying is None:
+                yield _weights(tiny_model_path, 2.0)
+                return
+            os.kill(self.dying, signal.SIGKILL)
+            wait_for(lambda: dead(self.dying), timeout_s=30, what="the engine server to die")
+            # The whole model: many tensors, each broadcast to both engines.
+            yield sorted(load_file(os.path.join(tiny_model_path, "model.safetensors")).items())
 
     def rank0_groups() -> list[str]:
         return sorted(n for n in c10d._world.pg_names.values() if n.startswith("homegym_weights"))
@@ -166,21 +191,35 @@ def test_a_replaced_weight_broadcast_group_is_destroyed_on_rank_0_and_the_engine
         except EngineError:
             return False
 
-    sync = components.weight_sync(cfg, Policy(), group, mode="distributed")
+    policy = Policy()
+    sync = components.weight_sync(cfg, policy, group, mode="distributed")
     sync.push(1)
-    assert rank0_groups() == ["homegym_weights_1"]
-    survivor = group.clients[1]
+    assert rank0_groups() == ["homegym_weights_1", "homegym_weights_2"]
 
     os.kill(ray.get(group.engines[0].pid.remote()), signal.SIGKILL)
-    group.recover(push_weights=lambda view: sync.push(1, engines=view))  # group 2: engine 0
-    assert rank0_groups() == ["homegym_weights_2"]
-    assert not engine_holds(survivor, "homegym_weights_1")  # the survivor left group 1
-    restarted = group.clients[0]
-
-    sync.push(2)  # group 3: both engines
-    assert rank0_groups() == ["homegym_weights_3"]
-    assert not engine_holds(restarted, "homegym_weights_2")
+    group.recover(push_weights=lambda view: sync.push(1, engines=view))  # group 3: engine 0
+    assert rank0_groups() == ["homegym_weights_2", "homegym_weights_3"]  # 1 went with engine 0
+    sync.push(2)  # the same two groups
+    assert rank0_groups() == ["homegym_weights_2", "homegym_weights_3"]
     assert group.weight_versions() == ["2", "2"]
-    assert engine_holds(restarted, "homegym_weights_3") and engine_holds(survivor, "homegym_weights_3")
+
+    # Engine 1 dies with the push's sessions open, engine 0 receiving the same buckets.
+    survivor = group.clients[0]
+    policy.dying = ray.get(group.engines[1].pid.remote())
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError):
+        sync.push(3)
+    assert time.monotonic() - start < WEIGHT_GROUP_TIMEOUT_S / 2
+    assert survivor.weight_version() == "3"  # it received the whole push, held by no one
+    assert rank0_groups() == []  # a failed push's groups are left
+    assert not engine_holds(survivor, "homegym_weights_3")
+
+    policy.dying = None
+    group.recover(push_weights=lambda view: sync.push(3, engines=view))  # group 4: engine 1
+    sync.push(4)  # group 5: engine 0
+    assert rank0_groups() == ["homegym_weights_4", "homegym_weights_5"]
+    assert group.weight_versions() == ["4", "4"]
+    assert engine_holds(group.clients[1], "homegym_weights_4")
+    assert engine_holds(survivor, "homegym_weights_5")
     rank0.destroy_weight_broadcast()
     assert rank0_groups() == []

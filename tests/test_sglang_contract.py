@@ -90,10 +90,10 @@ def _record_homegym_traffic(version: str, model_path: str, tmp_path) -> list:
             "perf/weight_sync_checked_tensors"] > 0
         port = free_port()
         name = f"{GROUP_NAME}_contract_{version}"  # one group name per process and group
-        group = join_broadcast_group(target, "127.0.0.1", port, name, "gloo")
+        group = join_broadcast_group(target[0], "127.0.0.1", port, name, "gloo")
         send_weights([weights], dataclasses.replace(plan, mode="distributed", version=2,
-                                                    group_name=name),
-                     rank=0, world_size=1, weight_group=group)
+                                                    group_names=(name,)),
+                     rank=0, world_size=1, weight_groups=[group])
         client.destroy_weights_update_group(name)
         send_weights([weights], dataclasses.replace(plan, mode="disk", version=3,
                                                     disk_dir=str(tmp_path / "push")),

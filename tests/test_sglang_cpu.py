@@ -195,12 +195,12 @@ def test_weight_push_is_verified_by_the_next_generation(group, tiny_model_path, 
     original = load_file(os.path.join(tiny_model_path, "model.safetensors"))
     plan = PushPlan(mode=path, version=11, targets=tuple(group.targets()), bucket_bytes=1 << 16,
                     dtype="bfloat16", device="cpu", flush_cache=True, disk_dir=str(tmp_path),
-                    group_name=f"cpu-{path}", loaders=SGLANG_CPU_LOADERS)
-    weight_group = None
+                    group_names=(f"cpu-{path}",), loaders=SGLANG_CPU_LOADERS)
+    weight_groups = []
     if path == "distributed":
-        weight_group = join_broadcast_group(plan.targets, "127.0.0.1", free_port(),
-                                            plan.group_name, "gloo")
-    send_weights([sorted(new.items())], plan, rank=0, world_size=1, weight_group=weight_group)
+        weight_groups = [join_broadcast_group(plan.targets[0], "127.0.0.1", free_port(),
+                                              plan.group_names[0], "gloo")]
+    send_weights([sorted(new.items())], plan, rank=0, world_size=1, weight_groups=weight_groups)
     assert client.weight_version() == "11"
     after_ids, after_lps = greedy(group.router_url, prompt)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation="eager")
@@ -210,9 +210,9 @@ def test_weight_push_is_verified_by_the_next_generation(group, tiny_model_path, 
     print(f"\n{path} push: max |SGLang bf16 - fp32 forward| = {gap:.4f}")
     assert gap < 0.1, gap
     send_weights([sorted(original.items())], dataclasses.replace(plan, version=12),
-                 rank=0, world_size=1, weight_group=weight_group)
-    if weight_group is not None:
-        client.destroy_weights_update_group(plan.group_name)
+                 rank=0, world_size=1, weight_groups=weight_groups)
+    if weight_groups:
+        client.destroy_weights_update_group(plan.group_names[0])
     client.flush_cache()
     assert greedy(group.router_url, prompt)[0] == before_ids
 

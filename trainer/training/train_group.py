@@ -39,6 +39,7 @@ class TrainActor:
         self.device, self.backend_name = cluster.device, backend_args["train"].backend
         self.backend_args = backend_args
         self.backend = None
+        self._weight_groups: dict = {}  # rank 0: the broadcast group with each engine, by name
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a free port (asked of rank 0)."""
@@ -85,24 +86,27 @@ class TrainActor:
                 yield bucket
 
     # ---- weights to the engines (trainer.weight_sync.push) and to disk -----------------
-    def init_weight_broadcast(self, targets: list, group_name: str, backend: str) -> None:
-        """Rank 0 joins the engines' weight-update group as its rank 0 (SGLang's protocol)."""
+    def init_weight_broadcast(self, targets: list, group_names: list, backend: str) -> None:
+        """Rank 0 forms a weight-update group with each of ``targets`` (named by
+        ``group_names``), as that group's rank 0 (SGLang's protocol)."""
         if self.rank != 0:
             return
         from trainer.weight_sync.push import join_broadcast_group
 
-        self.destroy_weight_broadcast()  # one group at a time: a new one replaces it
-        address, port = self.rendezvous_address()
-        self._weight_group = join_broadcast_group(targets, address, port, group_name, backend)
+        for target, name in zip(targets, group_names):
+            address, port = self.rendezvous_address()
+            self._weight_groups[name] = join_broadcast_group(target, address, port, name, backend)
 
-    def destroy_weight_broadcast(self) -> None:
-        """Rank 0 leaves its weight-update group, freeing what the group holds (sockets or
-        an NCCL communicator); dropping the reference frees nothing, torch keeps it."""
-        group, self._weight_group = getattr(self, "_weight_group", None), None
-        if group is not None:
-            import torch.distributed as dist
+    def destroy_weight_broadcast(self, group_names: Optional[list] = None) -> None:
+        """Rank 0 leaves weight-update groups (all by default), freeing what each holds
+        (sockets or an NCCL communicator); dropping the reference frees nothing, torch
+        keeps it."""
+        import torch.distributed as dist
 
-            dist.destroy_process_group(group)
+        for name in list(self._weight_groups) if group_names is None else group_names:
+            group = self._weight_groups.pop(name, None)
+            if group is not None:
+                dist.destroy_process_group(group)
 
     def send_weights(self, plan) -> dict[str, float]:
         """Stream this backend's weights to the engines of ``plan``
@@ -112,7 +116,7 @@ class TrainActor:
         buckets = self.backend.named_weight_buckets(plan.bucket_bytes, device=plan.device,
                                                     dtype=DTYPES[plan.dtype])
         return send_weights(buckets, plan, rank=self.rank, world_size=self.world_size,
-                            weight_group=getattr(self, "_weight_group", None))
+                            weight_groups=[self._weight_groups[n] for n in plan.group_names])
 
     def export_hf(self, out_dir: str, source_dir: str, bucket_bytes: int) -> None:
         """Rank 0 writes the policy as a HF checkpoint (every rank takes part in the gathers).
@@ -243,12 +247,12 @@ class TrainGroup:
                 for ref in stream:
                     ray.get(ref)
 
-    def init_weight_broadcast(self, targets: list, group_name: str, backend: str) -> None:
-        """Rank 0 and the engines form the broadcast group of the distributed weight path."""
-        ray.get(self.actors[0].init_weight_broadcast.remote(targets, group_name, backend))
+    def init_weight_broadcast(self, targets: list, group_names: list, backend: str) -> None:
+        """Rank 0 forms the distributed weight path's broadcast group with each engine."""
+        ray.get(self.actors[0].init_weight_broadcast.remote(targets, group_names, backend))
 
-    def destroy_weight_broadcast(self) -> None:
-        ray.get(self.actors[0].destroy_weight_broadcast.remote())
+    def destroy_weight_broadcast(self, group_names: Optional[list] = None) -> None:
+        ray.get(self.actors[0].destroy_weight_broadcast.remote(group_names))
 
     def send_weights(self, plan) -> dict[str, float]:
         """Every rank streams its share of ``plan`` to the engines; rank 0's metrics (the

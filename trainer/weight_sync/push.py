@@ -8,9 +8,12 @@ driver. Two paths, both SGLang's own routes:
   to a bucket the training rank on its device holds (SGLang's `update_weights_from_tensor`;
   CUDA IPC on GPU, shared memory on CPU). Engine e's TP rank k is served by training rank
   (e * tp + k) mod world size -- the rank on the same GPU when colocated.
-- ``distributed`` (disaggregated): rank 0 broadcasts each bucket over a torch.distributed
-  group the engines joined (`init_weights_update_group` + `update_weights_from_distributed`;
-  NCCL on GPU, gloo on CPU).
+- ``distributed`` (disaggregated): rank 0 broadcasts each bucket over one torch.distributed
+  group per engine, rank 0 and that engine's TP ranks (`init_weights_update_group` +
+  `update_weights_from_distributed`; NCCL on GPU, gloo on CPU). One group per engine costs
+  rank 0 one send per engine instead of one broadcast to all, and buys isolation: an engine
+  that dies mid-push breaks only its own group, where a shared group leaves every other
+  engine waiting in a receive until its timeout.
 - ``disk``: rank 0 writes safetensors files that every engine loads
   (`update_weights_from_disk`); the slowest, and the one that needs no shared memory or
   process group between trainer and engines.
@@ -71,7 +74,7 @@ class PushPlan:
     dtype: str  # the engines' dtype: tensors are cast once, on the sender
     device: str  # where the gathered buckets live: cuda for CUDA IPC / NCCL, else cpu
     flush_cache: bool  # flush each engine's prefix cache once after the push
-    group_name: str = ""  # the broadcast group (distributed mode)
+    group_names: tuple = ()  # each target's broadcast group (distributed mode)
     disk_dir: str = ""  # where rank 0 writes the weights (disk mode); "" = a temp dir
     # The server-side loaders of SGLang's CPU backend (SGLANG_CPU_LOADERS): buckets are
     # loaded with the first, and a final empty update with the second re-packs them.
@@ -84,14 +87,10 @@ def source_rank(engine: int, tp_rank: int, tp_size: int, world_size: int) -> int
     return (engine * tp_size + tp_rank) % world_size
 
 
-def broadcast_ranks(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Each engine's first rank in the weight-broadcast group, and the group's size: the
-    trainer is rank 0 and every engine joins with all of its TP ranks."""
-    offsets, world_size = [], 1
-    for tp in tp_sizes:
-        offsets.append(world_size)
-        world_size += tp
-    return offsets, world_size
+def broadcast_group_ranks(tp_size: int) -> tuple[int, int]:
+    """An engine's first rank in its weight-broadcast group and the group's size: the
+    trainer is rank 0, the engine's TP ranks follow."""
+    return 1, 1 + tp_size
 
 
 class WeightSync:
@@ -109,9 +108,10 @@ class WeightSync:
         self.mode = mode
         self.disk_dir = disk_dir
         self.bucket_bytes = train.weight_bucket_mb * 2**20
-        self._group_targets: Optional[tuple] = None  # engines of a usable broadcast group
-        self._group_name = ""  # the group rank 0 is in (usable or not)
-        self._group_members: tuple = ()  # the engines asked to join it
+        # Distributed mode: each engine's broadcast group, by the engine's URL (a restarted
+        # engine has a new one). Rank 0 holds the other end of each.
+        self._groups: dict[str, str] = {}
+        self._members: dict[str, Any] = {}  # URL -> the EngineTarget that joined
         self._groups_made = 0
         # A hybrid model's cached prefixes carry recurrent states computed with the old
         # weights: every push flushes them (trainer/driver/preflight.py refuses the one layout
@@ -131,7 +131,7 @@ class WeightSync:
             device="cuda" if cluster.device == "cuda" else "cpu",
             flush_cache=self.flush_always or (not cluster.colocate if flush is None
                                               else flush),
-            group_name=self._group_name, disk_dir=self.disk_dir,
+            disk_dir=self.disk_dir,
             # SGLang's CPU backend computes garbage after an in-place update unless its AMX
             # weights are re-packed (rollout/engines/sglang_plugins/homegym_sglang_cpu.py).
             loaders=SGLANG_CPU_LOADERS if (rollout.engine == "sglang"
@@ -144,55 +144,62 @@ class WeightSync:
         start = time.perf_counter()
         engines = engines or self.engines
         plan = self.plan(version, engines, flush=flush)
-        # A new set of engines (restarted ones have new addresses, or a view of some) gets
-        # a broadcast group of its own; the next push to all of them forms one anew.
-        if plan.mode == "distributed" and self._group_targets != plan.targets:
-            plan = dataclasses.replace(plan, group_name=self._init_group(plan))
+        if plan.mode == "distributed":
+            plan = dataclasses.replace(plan, group_names=self._join_groups(plan.targets))
         try:
             metrics = self.train_group.send_weights(plan)
         except Exception as err:
             if plan.mode == "distributed":
-                self._group_targets = None  # a broadcast broken off: form the group anew
+                # Which group broke is not known here; every engine of the push joins anew
+                # (a survivor's group is intact, so leaving it is prompt).
+                self._leave_groups([t.url for t in plan.targets])
             raise WeightSyncError(f"weight update to version {version} failed: {err}") from err
         self.verify(version, engines)
         metrics["perf/weight_sync_time"] = time.perf_counter() - start
         return metrics
 
-    def _init_group(self, plan: PushPlan) -> str:
-        """Form a broadcast group of rank 0 and ``plan``'s engines, in place of the previous
-        one; returns its name (new each time: a process cannot create two groups of one
-        name)."""
-        backend = "nccl" if self.cluster.device == "cuda" else "gloo"
-        self._destroy_group()
-        self._groups_made += 1
-        name = f"{GROUP_NAME}_{self._groups_made}"
-        self._group_name, self._group_members = name, plan.targets
-        try:
-            self.train_group.init_weight_broadcast(list(plan.targets), name, backend)
-        except Exception as err:
-            raise WeightSyncError(f"engines could not join the weight-update group: {err}") from err
-        self._group_targets = plan.targets
-        return name
-
-    def _destroy_group(self) -> None:
-        """Take the last broadcast group apart: a process keeps every group it joined (its
-        connections, an NCCL communicator and its buffers) until it is destroyed, so each
-        engine restart would otherwise leave one behind on rank 0 and on the engines that
-        lived on. Engines that were restarted since took their side with them."""
-        if not self._group_name:
-            return
-        name, members = self._group_name, self._group_members
-        self._group_name, self._group_members, self._group_targets = "", (), None
+    def _join_groups(self, targets: tuple) -> tuple:
+        """The broadcast group of each of ``targets``, formed for those without one; returns
+        their names in ``targets``' order. Groups of engines no longer running (restarted
+        ones have new URLs) are taken apart first."""
         running = {t.url for t in self.engines.targets()}
-        for target in members:
-            if target.url not in running:
+        self._leave_groups([url for url in self._groups if url not in running])
+        new = [t for t in targets if t.url not in self._groups]
+        if new:
+            backend = "nccl" if self.cluster.device == "cuda" else "gloo"
+            names = []
+            for _ in new:
+                self._groups_made += 1  # a name is new each time: a process cannot create
+                names.append(f"{GROUP_NAME}_{self._groups_made}")  # two groups of one name
+            try:
+                self.train_group.init_weight_broadcast(list(new), names, backend)
+            except Exception as err:
+                raise WeightSyncError(
+                    f"engines could not join their weight-update groups: {err}") from err
+            for target, name in zip(new, names):
+                self._groups[target.url], self._members[target.url] = name, target
+        return tuple(self._groups[t.url] for t in targets)
+
+    def _leave_groups(self, urls: Sequence[str]) -> None:
+        """Take the groups of the engines at ``urls`` apart: a process keeps every group it
+        joined (its connections, an NCCL communicator and its buffers) until it is
+        destroyed. An engine that died took its side with it; rank 0's side goes always."""
+        names = []
+        running = {t.url for t in self.engines.targets()}
+        for url in urls:
+            name, target = self._groups.pop(url, None), self._members.pop(url, None)
+            if name is None:
+                continue
+            names.append(name)
+            if url not in running:
                 continue
             try:
                 target.client().destroy_weights_update_group(name)
             except EngineError as err:  # e.g. it never joined: there is nothing to free
                 log.warning("%s: leaving weight-update group %s failed: %s",
                             target.name, name, err)
-        self.train_group.destroy_weight_broadcast()
+        if names:
+            self.train_group.destroy_weight_broadcast(names)
 
     def verify(self, version: int, engines=None) -> None:
         check_reported_versions(engines or self.engines, version, "version")
@@ -220,16 +227,17 @@ def cast_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype
 
 
 def send_weights(buckets: Iterable[list[tuple[str, torch.Tensor]]], plan: PushPlan, *,
-                 rank: int, world_size: int, weight_group=None) -> dict[str, float]:
+                 rank: int, world_size: int, weight_groups: Sequence = ()) -> dict[str, float]:
     """Stream ``buckets`` (a backend's ``named_weight_buckets``, drained on every rank:
-    its gathers are collectives) to the engines of ``plan``; returns this rank's metrics."""
+    its gathers are collectives) to the engines of ``plan``; returns this rank's metrics.
+    ``weight_groups``: rank 0's broadcast group of each target (distributed mode)."""
     dtype = DTYPES[plan.dtype]
     if plan.mode == "tensor":
         sender = _TensorSender(plan, rank, world_size)
     elif plan.mode == "disk":
         sender = _DiskSender(plan, rank)
     else:
-        sender = _BroadcastSender(plan, rank, weight_group)
+        sender = _BroadcastSender(plan, rank, weight_groups)
     num_bytes = num_buckets = 0
     checks: dict[str, torch.Tensor] = {}
     # Where this rank's time goes: gathering (the backend's collectives and copies), the
@@ -398,8 +406,8 @@ class _TensorSender(_Sender):
 
 
 class _BroadcastSender(_Sender):
-    def __init__(self, plan: PushPlan, rank: int, weight_group):
-        self.rank, self.group = rank, weight_group
+    def __init__(self, plan: PushPlan, rank: int, groups: Sequence):
+        self.rank, self.groups = rank, list(groups)
         super().__init__(plan, range(len(plan.targets)) if rank == 0 else [])
 
     def send(self, bucket, version: Optional[int]) -> None:
@@ -412,20 +420,24 @@ class _BroadcastSender(_Sender):
         shapes = [list(t.shape) for _, t in bucket]
         # Each engine's call returns once it has received every tensor of the bucket, so
         # the calls run on threads while this rank broadcasts.
-        futures = [self._pool.submit(self.clients[e].update_weights_from_distributed, names,
-                                     dtypes, shapes, group_name=self.plan.group_name,
-                                     version=version)
-                   for e in self.engines]
+        futures = {e: self._pool.submit(self.clients[e].update_weights_from_distributed, names,
+                                        dtypes, shapes, group_name=self.plan.group_names[e],
+                                        version=version)
+                   for e in self.engines}
         tensors = [t.to(self.plan.device).contiguous() for _, t in bucket]
-        works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
-        # An engine that refuses the update never receives: stop waiting for it.
-        while not all(w.is_completed() for w in works):
-            failed = [f for f in futures if f.done() and f.exception() is not None]
-            if failed:
-                raise failed[0].exception()
+        works = {e: [dist.broadcast(t, src=0, group=self.groups[e], async_op=True)
+                     for t in tensors] for e in self.engines}
+
+        def settled(e) -> bool:
+            # An engine that refuses the update (or died) never receives: its failed call
+            # settles it; the others' groups are their own, so their receives complete.
+            failed = futures[e].done() and futures[e].exception() is not None
+            return failed or all(w.is_completed() for w in works[e])
+
+        while not all(settled(e) for e in self.engines):
             time.sleep(0.001)
-        for f in futures:
-            f.result()
+        for e in self.engines:
+            futures[e].result()  # the first failure, once every other engine has its bucket
 
 
 class _DiskSender(_Sender):
@@ -461,24 +473,21 @@ class _DiskSender(_Sender):
                 shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def join_broadcast_group(targets: Sequence[Any], address: str, port: int, group_name: str,
+def join_broadcast_group(target: Any, address: str, port: int, group_name: str,
                          backend: str, *, timeout_s: float = 600.0):
-    """Rank 0's side of `init_weights_update_group`: every engine joins with all of its TP
-    ranks (engine e's first rank is 1 + the TP sizes of the engines before it) while this
-    process joins as rank 0; returns the group."""
+    """Rank 0's side of `init_weights_update_group` for one engine: the engine joins with
+    all of its TP ranks while this process joins as rank 0; returns the group."""
     from rollout.engines.weights_io import init_custom_process_group
 
-    offsets, world_size = broadcast_ranks([t.tp_size for t in targets])
-    clients = [t.client() for t in targets]
-    with ThreadPoolExecutor(max_workers=len(clients)) as pool:
-        futures = [pool.submit(c.init_weights_update_group, address, port, off, world_size,
-                               group_name, backend) for c, off in zip(clients, offsets)]
+    offset, world_size = broadcast_group_ranks(target.tp_size)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        joined = pool.submit(target.client().init_weights_update_group, address, port, offset,
+                             world_size, group_name, backend)
         try:
             group = init_custom_process_group(backend, f"tcp://{address}:{port}", world_size, 0,
                                               group_name, timeout_s=timeout_s)
         finally:
-            errors = [f.exception() for f in futures]
-        failed = [e for e in errors if e is not None]
-        if failed:
-            raise failed[0] if isinstance(failed[0], EngineError) else EngineError(str(failed[0]))
+            error = joined.exception()
+        if error is not None:
+            raise error if isinstance(error, EngineError) else EngineError(str(error))
     return group
