@@ -1,8 +1,9 @@
 """Async mode (disaggregated engines, weights broadcast over gloo): an engine's server is
 SIGKILLed in the middle of the run. The run finishes every step; the engine is restarted,
 gets the current policy (a broadcast group of its own) before the router sends it traffic,
-and the next push reaches every engine (a new group with all of them). The same run holds
-the staleness bound (algo.max_staleness=1) at every step."""
+and the next push reaches every engine, each over its own group. Two training ranks: rank 0
+alone sends, rank 1 takes part in the gathers. The same run holds the staleness bound
+(algo.max_staleness=1) at every step."""
 
 import importlib.util
 import os
@@ -27,7 +28,7 @@ def chaos_module():
 
 ASYNC = ["cluster.colocate=false", "algo.max_staleness=1", "algo.rollout_correction=token_tis",
          "rollout.num_engines=2",
-         "train.ranks_per_node=1", "warmup.steps=0", "eval.before_and_after=false",
+         "train.ranks_per_node=2", "warmup.steps=0", "eval.before_and_after=false",
          "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4"]
 
 

@@ -115,8 +115,10 @@ class TrainActor:
 
         buckets = self.backend.named_weight_buckets(plan.bucket_bytes, device=plan.device,
                                                     dtype=DTYPES[plan.dtype])
+        # Only rank 0 is in the broadcast groups; the other ranks take part in the gathers.
+        groups = [self._weight_groups[n] for n in plan.group_names] if self.rank == 0 else []
         return send_weights(buckets, plan, rank=self.rank, world_size=self.world_size,
-                            weight_groups=[self._weight_groups[n] for n in plan.group_names])
+                            weight_groups=groups)
 
     def export_hf(self, out_dir: str, source_dir: str, bucket_bytes: int) -> None:
         """Rank 0 writes the policy as a HF checkpoint (every rank takes part in the gathers).
