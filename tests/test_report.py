@@ -2,8 +2,8 @@
 
 import json
 
-from trainer.driver.report import (PASSES, TERMINAL_WIDTH, format_eval_table, plot_curves,
-                                   terminal_eval_table)
+from trainer.driver.report import (PASSES, TERMINAL_WIDTH, CurvesWriter, format_eval_table,
+                                   plot_curves, terminal_eval_table)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -64,6 +64,18 @@ def test_curves_png_has_the_training_and_eval_curves(tmp_path):
         width, height = img.size
     # 2 rollout + 4 eval + 3 mismatch panels (gap, ratios, cut): three rows of three
     assert width > height > 900
+
+
+def test_the_driver_redraws_curves_only_when_the_metrics_changed(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 1, "rollout/raw_reward": 0.5}) + "\n")
+    curves = CurvesWriter(tmp_path)
+    png = curves.write()
+    png.write_bytes(b"stale")  # a redraw would overwrite it
+    assert curves.write() == png and png.read_bytes() == b"stale"
+    with metrics.open("a") as f:
+        f.write(json.dumps({"step": 2, "rollout/raw_reward": 0.7}) + "\n")
+    assert curves.write() == png and png.read_bytes().startswith(PNG_MAGIC)
 
 
 def test_no_metrics_yet_means_no_plot(tmp_path):

@@ -45,7 +45,7 @@ from trainer.driver.pipeline import RolloutPipeline
 from trainer.weight_sync.engine_updates import update_generating_engines, update_idle_engines
 from rollout.batch_ref import BatchRef
 from rollout.models import resolve_model_path
-from trainer.driver.report import write_curves
+from trainer.driver.report import CurvesWriter
 from trainer.driver.runtime import Runtime
 from trainer.driver.warmup import warm_up
 from trainer.driver.watchdog import HangError, Watchdog
@@ -92,6 +92,7 @@ class Driver:
     def __init__(self, config: HomegymConfig, run_dir: Path, runtime: Runtime) -> None:
         self.config = config
         self.run_dir = run_dir
+        self.curves = CurvesWriter(run_dir)
         self.rt = runtime
         self.ckpt = CheckpointManager(run_dir)
         self._pipeline: RolloutPipeline | None = None
@@ -131,7 +132,7 @@ class Driver:
                 self.finish(start_step)
         finally:
             self.logger.close()
-            write_curves(self.run_dir)
+            self.curves.write()
         return RunResult(run_dir=self.run_dir, steps=cfg.train.num_steps, evals=self.evals,
                          final_metrics=metrics)
 
@@ -344,7 +345,7 @@ class Driver:
         write_rows(self.run_dir, name, rows)
         if self.logger is not None:
             self.logger.log(step, {f"{name}/{k}": v for k, v in metrics.items()}, progress=False)
-            write_curves(self.run_dir)
+            self.curves.write()
         print_line(name, metrics)
         return metrics
 

@@ -249,10 +249,27 @@ def plot_curves(run_dir: Path, out: Optional[Path] = None) -> Optional[Path]:
     return out
 
 
-def write_curves(run_dir: Path) -> Optional[Path]:
-    """``plot_curves`` for the driver: a plot that fails is logged, never fails the run."""
-    try:
-        return plot_curves(run_dir)
-    except Exception as err:
-        log.warning("curves.png not written: %s: %s", type(err).__name__, err)
-        return None
+class CurvesWriter:
+    """``plot_curves`` for the driver: a plot that fails is logged, never fails the run, and
+    a plot of the same metrics.jsonl is not drawn twice (each drawing takes about a second
+    of CPU; the end of a run would otherwise redraw what its last evaluation drew)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self._drawn_from: Optional[tuple[int, int]] = None  # metrics.jsonl's (size, mtime)
+
+    def write(self) -> Optional[Path]:
+        try:
+            st = (self.run_dir / "metrics.jsonl").stat()
+            source = (st.st_size, st.st_mtime_ns)
+        except FileNotFoundError:
+            source = None
+        if source is not None and source == self._drawn_from:
+            return self.run_dir / "curves.png"
+        try:
+            out = plot_curves(self.run_dir)
+        except Exception as err:
+            log.warning("curves.png not written: %s: %s", type(err).__name__, err)
+            return None
+        self._drawn_from = source
+        return out
