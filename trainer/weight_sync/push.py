@@ -108,10 +108,10 @@ class WeightSync:
         self.mode = mode
         self.disk_dir = disk_dir
         self.bucket_bytes = train.weight_bucket_mb * 2**20
-        # Distributed mode: each engine's broadcast group, by the engine's URL (a restarted
-        # engine has a new one). Rank 0 holds the other end of each.
-        self._groups: dict[str, str] = {}
-        self._members: dict[str, Any] = {}  # URL -> the EngineTarget that joined
+        # Distributed mode: each engine's broadcast group (its name, and the EngineTarget
+        # that joined it), by the engine's URL (a restarted engine has a new one). Rank 0
+        # holds the other end of each.
+        self._groups: dict[str, tuple[str, Any]] = {}
         self._groups_made = 0
         # A hybrid model's cached prefixes carry recurrent states computed with the old
         # weights: every push flushes them (trainer/driver/preflight.py refuses the one layout
@@ -152,7 +152,8 @@ class WeightSync:
             if plan.mode == "distributed":
                 # Which group broke is not known here; every engine of the push joins anew
                 # (a survivor's group is intact, so leaving it is prompt).
-                self._leave_groups([t.url for t in plan.targets])
+                self._leave_groups([t.url for t in plan.targets],
+                                   running={t.url for t in self.engines.targets()})
             raise WeightSyncError(f"weight update to version {version} failed: {err}") from err
         self.verify(version, engines)
         metrics["perf/weight_sync_time"] = time.perf_counter() - start
@@ -163,7 +164,7 @@ class WeightSync:
         their names in ``targets``' order. Groups of engines no longer running (restarted
         ones have new URLs) are taken apart first."""
         running = {t.url for t in self.engines.targets()}
-        self._leave_groups([url for url in self._groups if url not in running])
+        self._leave_groups([url for url in self._groups if url not in running], running)
         new = [t for t in targets if t.url not in self._groups]
         if new:
             backend = "nccl" if self.cluster.device == "cuda" else "gloo"
@@ -177,19 +178,19 @@ class WeightSync:
                 raise WeightSyncError(
                     f"engines could not join their weight-update groups: {err}") from err
             for target, name in zip(new, names):
-                self._groups[target.url], self._members[target.url] = name, target
-        return tuple(self._groups[t.url] for t in targets)
+                self._groups[target.url] = (name, target)
+        return tuple(self._groups[t.url][0] for t in targets)
 
-    def _leave_groups(self, urls: Sequence[str]) -> None:
+    def _leave_groups(self, urls: Sequence[str], running: set[str]) -> None:
         """Take the groups of the engines at ``urls`` apart: a process keeps every group it
         joined (its connections, an NCCL communicator and its buffers) until it is
-        destroyed. An engine that died took its side with it; rank 0's side goes always."""
+        destroyed. An engine that died (its URL not in ``running``) took its side with it;
+        rank 0's side goes always."""
         names = []
-        running = {t.url for t in self.engines.targets()}
         for url in urls:
-            name, target = self._groups.pop(url, None), self._members.pop(url, None)
-            if name is None:
+            if url not in self._groups:
                 continue
+            name, target = self._groups.pop(url)
             names.append(name)
             if url not in running:
                 continue
