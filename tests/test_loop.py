@@ -113,7 +113,8 @@ def test_a_killed_run_resumes_the_same_run_which_learns_and_writes_its_run_dir(t
     order continued exactly) and the run as a whole learned something and left a complete
     run directory (checkpoints, evaluation table, curves, config, offline wandb)."""
     out = tmp_path / "out"
-    overrides = ["train.num_steps=4", "train.save_interval=1"]
+    # eval.interval=4: the last step's evaluation is the trained one, not a repeat of it.
+    overrides = ["train.num_steps=4", "train.save_interval=1", "eval.interval=4"]
     run = out / "killed"
     proc = subprocess.Popen(main_cmd(*overrides, "logging.run_name=killed", f"logging.output_dir={out}",
                                      "logging.wandb_mode=offline"),
@@ -172,7 +173,7 @@ def test_a_killed_run_resumes_the_same_run_which_learns_and_writes_its_run_dir(t
     assert (ckpts / "latest").resolve().name == "step_000004"
     # The evaluations before (first launch, kept in its checkpoints) and after (second).
     table = (run / "eval_table.md").read_text()
-    assert "| base |" in table and "| trained |" in table
+    assert "| base |" in table and "| trained |" in table and "| step_4 |" not in table
     printed = [line for line in resumed.output.splitlines() if line.startswith("| ")]
     assert any(line.startswith("| trained ") for line in printed)
     assert max(len(line) for line in printed) <= 100  # the console's table fits a terminal

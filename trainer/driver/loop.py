@@ -125,7 +125,7 @@ class Driver:
                     self.logger.log(step, metrics)
                     self.mismatch_watch.check(step, metrics)
                     saved = self.save_if_due(step)
-                    if cfg.eval.interval and step % cfg.eval.interval == 0:
+                    if self.eval_due(step):
                         self.evaluate(f"step_{step}", step=step)
                     if self.rt.stop_requested:  # Ctrl-C / SIGTERM: keep this step, then stop
                         return self.stop(step, saved, metrics)
@@ -163,6 +163,15 @@ class Driver:
             raise
         finally:
             watchdog.close()
+
+    def eval_due(self, step: int) -> bool:
+        """Whether ``step`` is on the eval.interval schedule. The last step's evaluation is
+        the trained policy's (``finish``) when that one runs: the same weights and seeded
+        samples, so a second pass would repeat it exactly."""
+        cfg = self.config
+        if not cfg.eval.interval or step % cfg.eval.interval:
+            return False
+        return not (step == cfg.train.num_steps and cfg.derived.eval_before_and_after)
 
     def save_if_due(self, step: int) -> bool:
         interval = self.config.train.save_interval
