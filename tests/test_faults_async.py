@@ -5,26 +5,15 @@ and the next push reaches every engine, each over its own group. Two training ra
 alone sends, rank 1 takes part in the gathers. The same run holds the staleness bound
 (algo.max_staleness=1) at every step."""
 
-import importlib.util
 import os
 import signal
-import sys
 import threading
 
 import pytest
 
-from conftest import REPO, run_main
+from conftest import chaos_module, run_main
 
 pytestmark = pytest.mark.slow
-
-
-def chaos_module():
-    spec = importlib.util.spec_from_file_location("chaos_soak", REPO / "scripts" / "chaos_soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("chaos_soak", module)  # its dataclasses look their module up
-    spec.loader.exec_module(sys.modules["chaos_soak"])
-    return module
-
 
 ASYNC = ["cluster.colocate=false", "algo.max_staleness=1", "algo.rollout_correction=token_tis",
          "rollout.num_engines=2",
