@@ -19,10 +19,8 @@ poison attention scores).
 
 The K and V buffers of all layers are one tensor ``[2, layers, rows, kv heads, columns,
 head dim]``, so moving a row, copying a finished row out for the prefix cache and
-reallocating are one op each rather than one per layer and per K/V: on a small model those
-ops are per-call overhead, not bytes (tiny-qwen3's multi-turn shape: docs/performance.md).
-Every attention layer's K and V must therefore have one shape (true of every architecture
-the engine runs).
+reallocating are one op each rather than one per layer and per K/V. Every attention
+layer's K and V must therefore have one shape (true of every architecture the engine runs).
 """
 
 from __future__ import annotations
@@ -101,7 +99,8 @@ class BatchKV:
         """Row ``i``'s K and V of every layer at the active columns ``[a, b)`` of each run
         in ``runs``, concatenated: a copy ``[2, layers, kv heads, columns, head dim]`` (for
         the prefix cache). Runs, not an index: a slice copy moves these strided rows 3x
-        faster than index_select, and a row's real columns are one to three runs."""
+        faster than index_select, and a row's real columns are one or two runs (a cached
+        past, then the suffix prefilled over it and its decoded tokens)."""
         row = self.buf[:, :, i, :, self.c0:self.c1]
         out = row.new_empty(*row.shape[:3], sum(b - a for a, b in runs), row.shape[4])
         at = 0
