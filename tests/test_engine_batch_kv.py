@@ -123,3 +123,20 @@ def test_long_decode_reallocates_geometrically_rarely():
             buffers, reallocations = kv.k[0], reallocations + 1
     assert kv.width >= 2000
     assert reallocations <= 12  # ~log1.5(2000 / 64); a fixed 64-column step would be 31
+
+
+def test_row_kv_copies_each_run_of_columns_of_every_layer():
+    kv, ref = BatchKV(), Rows()
+    rng = random.Random(3)
+    while kv.rows < 6:
+        join(kv, ref, rng)
+    step(kv, ref)
+    for i, row in enumerate(ref.kv):
+        n = row[0][0].shape[1]
+        a = kv.width - n
+        runs = [(a, a + 1), (a + 2, kv.width)] if n > 2 else [(a, kv.width)]
+        cols = [c - a for s, e in runs for c in range(s, e)]
+        got = kv.row_kv(i, runs)
+        assert got.shape == (2, LAYERS, HEADS, len(cols), DIM)
+        for layer, (k, v) in enumerate(row):
+            assert torch.equal(got[0, layer], k[:, cols]) and torch.equal(got[1, layer], v[:, cols])

@@ -449,7 +449,7 @@ def test_prefill_chunks_by_uncached_length(ref_model):
 
     b = Batcher(ref_model, None, set(), 1024, prefix_cache_bytes=1 << 20)
     long_turn = list(range(3, 103))
-    kv = [(torch.zeros(2, 100, 32), torch.zeros(2, 100, 32))]
+    kv = torch.zeros(2, 1, 2, 100, 32)  # K and V of one layer
     reqs = [Request(rid="a", input_ids=long_turn + [5] * 10, max_new_tokens=1),
             Request(rid="b", input_ids=[4] * 12, max_new_tokens=1)]
     assert len(b._prefill_chunks(reqs)) == 2  # 110 vs 12 tokens: too much padding
@@ -484,10 +484,10 @@ def test_lean_forward_prefills_uncached_prompts_of_any_length_together(tiny_mode
     assert [[len(r.input_ids) for r in c] for c in b._prefill_chunks(reqs)] == [
         [3, 12, 12, 60], [110]]
     b.prefill_token_budget = 8192
-    b.prefix_cache.put(tuple([4] * 100), [(torch.zeros(2, 100, 32), torch.zeros(2, 100, 32))] * 4)
+    b.prefix_cache.put(tuple([4] * 100), torch.zeros(2, 4, 2, 100, 32))
     cont = Request(rid="c", input_ids=[4] * 100 + [5] * 90, max_new_tokens=1)
     short = Request(rid="s", input_ids=[4] * 50 + [6] * 5, max_new_tokens=1)
-    b.prefix_cache.put(tuple([4] * 50), [(torch.zeros(2, 50, 32), torch.zeros(2, 50, 32))] * 4)
+    b.prefix_cache.put(tuple([4] * 50), torch.zeros(2, 4, 2, 50, 32))
     chunks = b._prefill_chunks(reqs + [cont, short])
     assert [len(c) for c in chunks] == [5, 1, 1]  # 5 vs 90 new tokens over a past: split
 

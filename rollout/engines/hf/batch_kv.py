@@ -13,8 +13,14 @@ all rows at once. A change moves only what changed:
 The buffers are reallocated (one copy of the window) only when rows, left room or right
 room run out, sized to the batch of the moment plus spare; the right room grows with the
 window, so a long generation reallocates O(log) times (what full-batch copies on every
-join and finish would cost: docs/performance.md). Buffers start zeroed and are only ever written with real K/V, so the columns a row
-masks out hold finite numbers (0 * NaN would poison attention scores).
+join and finish would cost: docs/performance.md). Buffers start zeroed and are only ever
+written with real K/V, so the columns a row masks out hold finite numbers (0 * NaN would
+poison attention scores).
+
+The K and V buffers of all layers are one tensor ``[2, layers, rows, kv heads, columns,
+head dim]``, so moving a row, copying a finished row out for the prefix cache and
+reallocating are one op each rather than one per layer and per K/V. Every attention
+layer's K and V must therefore have one shape (true of every architecture the engine runs).
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ class BatchKV:
     def __init__(self, spare_cols: int = 64, spare_rows: int = 16):
         self.spare_cols = spare_cols
         self.spare_rows = spare_rows
-        self.k: list[torch.Tensor] = []
+        self.buf: Optional[torch.Tensor] = None  # [2, layers, row cap, heads, col cap, dim]
+        self.k: list[torch.Tensor] = []  # per layer its K buffer, a view of buf[0]
         self.v: list[torch.Tensor] = []
         self.rows = 0
         self.c0 = self.c1 = 0
@@ -50,26 +57,29 @@ class BatchKV:
 
     def _reserve(self, rows: int, width: int, right: int, like: list[torch.Tensor]) -> None:
         """Make room for ``rows`` rows, a row ``width`` columns long ending at ``c1``, and
-        ``right`` more columns; reallocate (copying the active window) if needed."""
-        cap_rows = self.k[0].shape[0] if self.k else 0
-        cap_cols = self.k[0].shape[2] if self.k else 0
+        ``right`` more columns; reallocate (copying the active window) if needed. ``like``:
+        per layer its K and V, the shapes and dtype to allocate for."""
+        cap_rows = self.buf.shape[2] if self.buf is not None else 0
+        cap_cols = self.buf.shape[4] if self.buf is not None else 0
         if rows <= cap_rows and width <= self.c1 and self.c1 + right <= cap_cols:
             return
         # Size for the rest of the wave now joining too, not one chunk at a time.
         rows, width = max(rows, self._expect[0]), max(width, self._expect[1])
         self._expect = (0, 0)
+        x = like[0]
+        if any(y.shape[1:2] + y.shape[3:] != x.shape[1:2] + x.shape[3:] for y in like):
+            raise ValueError("BatchKV needs one K/V shape for every attention layer")
         # Sized from what is needed now (plus spare), not from the old capacity: a batch
         # that shrank gives memory back at its next reallocation.
-        old_k, old_v, w = self.k, self.v, self.width
+        old, w = self.buf, self.width
         c1 = max(width, w) + self.spare_cols  # left room for longer rows joining later
         # Right room grows with the window: a long generation reallocates O(log) times.
         cols = c1 + max(right, self.spare_cols, w // 2)
         n = rows + self.spare_rows
-        self.k = [x.new_zeros(n, x.shape[1], cols, x.shape[3]) for x in like[0::2]]
-        self.v = [x.new_zeros(n, x.shape[1], cols, x.shape[3]) for x in like[1::2]]
+        self.buf = x.new_zeros(2, len(like) // 2, n, x.shape[1], cols, x.shape[3])
+        self.k, self.v = list(self.buf[0].unbind(0)), list(self.buf[1].unbind(0))
         if self.rows and w:
-            for new, old in zip(self.k + self.v, old_k + old_v):
-                new[:self.rows, :, c1 - w:c1] = old[:self.rows, :, self.c0:self.c1]
+            self.buf[:, :, :self.rows, :, c1 - w:c1] = old[:, :, :self.rows, :, self.c0:self.c1]
         self.c0, self.c1 = c1 - w, c1
 
     def _layer_views(self) -> list[GrowingLayer]:
@@ -84,6 +94,20 @@ class BatchKV:
     def add_cache(self, cache, rows: Optional[torch.Tensor] = None) -> None:
         """Append the rows of a prefill's ``cache`` (or its rows ``rows``)."""
         self.add(cache.layers, rows)
+
+    def row_kv(self, i: int, runs: list[tuple[int, int]]) -> torch.Tensor:
+        """Row ``i``'s K and V of every layer at the active columns ``[a, b)`` of each run
+        in ``runs``, concatenated: a copy ``[2, layers, kv heads, columns, head dim]`` (for
+        the prefix cache). Runs, not an index: a slice copy moves these strided rows 3x
+        faster than index_select, and a row's real columns are one or two runs (a cached
+        past, then the suffix prefilled over it and its decoded tokens)."""
+        row = self.buf[:, :, i, :, self.c0:self.c1]
+        out = row.new_empty(*row.shape[:3], sum(b - a for a, b in runs), row.shape[4])
+        at = 0
+        for a, b in runs:
+            out[:, :, :, at:at + b - a] = row[:, :, :, a:b]
+            at += b - a
+        return out
 
     def row_states(self, i: int) -> list:
         """Row ``i``'s recurrent states, for the prefix cache (none: KV only)."""
@@ -115,20 +139,22 @@ class BatchKV:
         for hole, src in zip(holes, movers):
             order[hole] = src
         if holes:
-            self._move_rows(torch.tensor(holes), torch.tensor(movers))
+            self._move_rows(holes, movers)
         self.rows = n
         if n == 0:  # an idle engine holds no KV
             self._drop_buffers()
         self._views()
         return order
 
-    def _move_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        for buf in self.k + self.v:
-            window = buf[:, :, self.c0:self.c1]
-            window.index_copy_(0, dst, window.index_select(0, src))
+    def _move_rows(self, dst: list[int], src: list[int]) -> None:
+        # One slice copy per row: 4x faster than index_select + index_copy_ on these
+        # strided rows, and rows leave a few at a time.
+        window = self.buf[:, :, :, :, self.c0:self.c1]
+        for d, s in zip(dst, src):
+            window[:, :, d] = window[:, :, s]
 
     def _drop_buffers(self) -> None:
-        self.k, self.v, self.c0, self.c1 = [], [], 0, 0
+        self.buf, self.k, self.v, self.c0, self.c1 = None, [], [], 0, 0
 
     def trim_left(self, first: int) -> None:
         """Drop the first ``first`` active columns (padding in every row)."""
@@ -137,8 +163,7 @@ class BatchKV:
 
     def reserve_step(self) -> None:
         """Room for one decode step (call before the forward)."""
-        cap_cols = self.k[0].shape[2]
-        if self.c1 + 1 > cap_cols:
+        if self.c1 + 1 > self.buf.shape[4]:
             like = [x for pair in zip(self.k, self.v) for x in pair]
             self._reserve(self.rows, 0, self.spare_cols, like)
             self._views()
@@ -179,10 +204,11 @@ class HybridKV(BatchKV):
         self.cache = HybridCache(self._layer_views(),
                                  [(c[:self.rows], r[:self.rows]) for c, r in self.states])
 
-    def _move_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _move_rows(self, dst: list[int], src: list[int]) -> None:
         super()._move_rows(dst, src)
         for buf in (x for pair in self.states for x in pair):
-            buf.index_copy_(0, dst, buf.index_select(0, src))
+            for d, s in zip(dst, src):
+                buf[d] = buf[s]
 
     def _drop_buffers(self) -> None:
         super()._drop_buffers()

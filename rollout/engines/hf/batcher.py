@@ -155,10 +155,11 @@ class PrefixCache:
             del self.length_counts[len(key)]
         return entry
 
-    def put(self, tokens: tuple, kv: list, states: list = ()) -> None:
-        """``kv``: per attention layer (K, V) [kv heads, len(tokens), head dim];
-        ``states``: per recurrent layer its state after ``tokens`` (hybrid models)."""
-        size = sum(x.numel() * x.element_size() for pair in (*kv, *states) for x in pair)
+    def put(self, tokens: tuple, kv: torch.Tensor, states: list = ()) -> None:
+        """``kv``: K and V of every attention layer, [2, layers, kv heads, len(tokens), head
+        dim]; ``states``: per recurrent layer its state after ``tokens`` (hybrid models)."""
+        size = kv.numel() * kv.element_size() + sum(
+            x.numel() * x.element_size() for pair in states for x in pair)
         if size > self.max_bytes:
             return
         if self.add_ref(tokens):
@@ -519,31 +520,26 @@ class Batcher:
         plen = [plen_all[i] for i in uniq]
         slen = [len(reqs[i].input_ids) - plen_all[i] for i in uniq]
         P, S, b = max(plen), max(slen), len(uniq)
-        ids = torch.zeros(b, S, dtype=torch.long)
-        mask = torch.zeros(b, P + S, dtype=torch.long)
-        pos = torch.zeros(b, S, dtype=torch.long)
-        for u, i in enumerate(uniq):
-            p, n = plen[u], slen[u]
-            ids[u, S - n:] = torch.tensor(reqs[i].input_ids[p:], dtype=torch.long)
-            mask[u, P - p:P] = 1
-            mask[u, P + S - n:] = 1
-            pos[u, S - n:] = torch.arange(p, p + n)
+        # Built as lists, one tensor each: per-row tensor writes cost more than the rows.
+        ids = torch.tensor([[0] * (S - n) + reqs[i].input_ids[p:]
+                            for i, p, n in zip(uniq, plen, slen)], dtype=torch.long)
+        mask = torch.tensor([[0] * (P - p) + [1] * p + [0] * (S - n) + [1] * n
+                             for p, n in zip(plen, slen)], dtype=torch.long)
+        pos = torch.tensor([[0] * (S - n) + list(range(p, p + n))
+                            for p, n in zip(plen, slen)], dtype=torch.long)
         for r, p in zip(reqs, plen_all):
             r.cached_tokens = p
         cache = (hybrid.new_cache(self.model, b) if self._hybrid
                  else DynamicCache())
         if P > 0:
-            layers = []
-            ref = next(p for p in pasts if p)[1]
-            for li, (k0, v0) in enumerate(ref):  # room for the suffix: no copy to grow
-                k = k0.new_zeros(b, k0.shape[0], P + S, k0.shape[2])
-                v = v0.new_zeros(b, v0.shape[0], P + S, v0.shape[2])
-                for u, i in enumerate(uniq):
-                    if pasts[i]:
-                        k[u, :, P - plen[u]:P] = pasts[i][1][li][0]
-                        v[u, :, P - plen[u]:P] = pasts[i][1][li][1]
-                layers.append(GrowingLayer.from_buffers(k, v, P))
-            cache.layers = layers
+            ref = next(p for p in pasts if p)[1]  # [2, layers, kv heads, len, head dim]
+            two, n_layers, heads, _, dim = ref.shape
+            kv = ref.new_zeros(two, n_layers, b, heads, P + S, dim)  # room for the suffix
+            for u, i in enumerate(uniq):
+                if pasts[i]:
+                    kv[:, :, u, :, P - plen[u]:P] = pasts[i][1]
+            cache.layers = [GrowingLayer.from_buffers(kv[0, li], kv[1, li], P)
+                            for li in range(n_layers)]
         if self._hybrid:  # each row continues from the states at the end of its past
             for u, i in enumerate(uniq):
                 for (conv, rec), (c0, r0) in zip(cache.states, pasts[i][2] if pasts[i] else ()):
@@ -593,12 +589,14 @@ class Batcher:
         tokens = tuple(r.input_ids) + tuple(r.output_ids[:-1])
         if self.prefix_cache.add_ref(tokens):  # a group mate played the same: no copy
             return
-        real = self.mask[i].nonzero()[:, 0]
-        if len(real) != len(tokens):
+        # Runs [a, b) of the row's real columns (left padding, and a hole between a cached
+        # past and the suffix prefilled over it).
+        edges = torch.diff(self.mask[i], prepend=self.mask.new_zeros(1),
+                           append=self.mask.new_zeros(1)).nonzero()[:, 0].tolist()
+        runs = list(zip(edges[0::2], edges[1::2]))
+        if sum(b - a for a, b in runs) != len(tokens):
             return
-        kv = [(layer.keys[i].index_select(1, real), layer.values[i].index_select(1, real))
-              for layer in self.kv.cache.layers]
-        self.prefix_cache.put(tokens, kv, self.kv.row_states(i))
+        self.prefix_cache.put(tokens, self.kv.row_kv(i, runs), self.kv.row_states(i))
 
     def _append_tokens(self, reqs, tokens, logps) -> list[int]:
         """Record one sampled token per request; return indices of unfinished ones."""

@@ -36,6 +36,7 @@ from typing import Any, Iterable, Optional
 
 import orjson
 import torch
+import uvloop
 from aiohttp import web
 
 from rollout.checkpoints import is_vlm, read_config
@@ -891,7 +892,10 @@ def main(argv=None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)  # router's HTTP/2 probe
     try:
-        asyncio.run(serve(args))
+        # libuv's event loop: the HTTP thread's per-request socket, selector and callback
+        # work in C rather than asyncio's Python (docs/performance.md, "Where the engine's
+        # time goes").
+        uvloop.run(serve(args))
     except KeyboardInterrupt:
         pass
     except StartupError as exc:
