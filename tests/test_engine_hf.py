@@ -294,6 +294,8 @@ def test_update_weights_from_distributed(engine, ref_model):
     assert out["r"]["success"] and engine.client.weight_version() == "d1"
     assert all(torch.equal(_get(engine, n), t) for n, t in zip(names, tensors))
     push_tensors(engine.client, [(n, sd[n]) for n in names], version="default")
+    engine.client.destroy_weights_update_group("wu-test")
+    torch.distributed.destroy_process_group(pg)
 
 
 def _safe(fn):

@@ -95,6 +95,7 @@ def _record_homegym_traffic(version: str, model_path: str, tmp_path) -> list:
                                                     group_names=(name,)),
                      rank=0, world_size=1, weight_groups=[group])
         client.destroy_weights_update_group(name)
+        torch.distributed.destroy_process_group(group)  # leave this process as it was
         send_weights([weights], dataclasses.replace(plan, mode="disk", version=3,
                                                     disk_dir=str(tmp_path / "push")),
                      rank=0, world_size=1)
