@@ -78,6 +78,14 @@ def test_the_driver_redraws_curves_only_when_the_metrics_changed(tmp_path):
     assert curves.write() == png and png.read_bytes().startswith(PNG_MAGIC)
 
 
+def test_curves_are_drawn_once_there_is_something_to_draw(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 0, "perf/setup_time": 3.0}) + "\n")  # no panel
+    curves = CurvesWriter(tmp_path)
+    assert curves.write() is None and curves.write() is None
+    assert not (tmp_path / "curves.png").exists()
+
+
 def test_no_metrics_yet_means_no_plot(tmp_path):
     assert plot_curves(tmp_path) is None and not (tmp_path / "curves.png").exists()
 

@@ -271,5 +271,6 @@ class CurvesWriter:
         except Exception as err:
             log.warning("curves.png not written: %s: %s", type(err).__name__, err)
             return None
-        self._drawn_from = source
+        if out is not None:  # nothing drawn yet (no panel): the next call tries again
+            self._drawn_from = source
         return out
