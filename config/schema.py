@@ -208,6 +208,10 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     stop: List[str] = field(default_factory=list)
+    # Seeds each training sample's sampling per (epoch, prompt row, sample): a run with the
+    # same seed draws the same random numbers for the same prompts (a resume included), so
+    # two runs differ only where their weights or arithmetic do; null = unseeded.
+    seed: Optional[int] = None
 
     # User plug-ins, dotted paths "package.module:function" or "package.module.function".
     custom_generate_function: Optional[str] = None

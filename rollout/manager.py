@@ -215,7 +215,11 @@ class RolloutManagerCore:
             group = self.train_data.make_group(int(key.split(":")[1]))
             self.ledger.counts["replaced"] += 1
         self.ledger.drawn(key, group[0].group_index)
-        return self._new_items(group)
+        items = self._new_items(group)
+        if self.rollout.seed is not None:
+            epoch, row = map(int, key.split(":"))
+            _seed_items(items, self.rollout.seed, epoch * len(self.train_data) + row)
+        return items
 
     def _new_items(self, group: list[Sample]) -> list[_Item]:
         items = []
@@ -491,13 +495,11 @@ class RolloutManagerCore:
                          prefix: str) -> tuple[dict[str, float], list[dict]]:
         stats = _StepStats()
         groups = [self._new_items(g) for g in data.all_groups(n)]
-        seed = self.eval.seed
-        if seed is not None and (self.custom_generate is None or self.agent):
+        if self.eval.seed is not None and (self.custom_generate is None or self.agent):
             # The same draws for the same (prompt, attempt) in every evaluation: base and
             # trained models are compared on paired samples, not on two independent ones.
             for g, items in enumerate(groups):
-                for j, it in enumerate(items):
-                    it.seed = (seed * 1_000_003 + g * 1_009 + j) % 2**31
+                _seed_items(items, self.eval.seed, g)
         await asyncio.gather(*(self._run_group(g, sampling_params, stats) for g in groups))
         samples = [s for g in groups for it in g for s in (it.result or [])]
         ok = [s for s in samples if s.status != Status.FAILED]
@@ -573,6 +575,13 @@ class RolloutManagerCore:
 
 def _group_index(items: list[_Item]) -> int:
     return items[0].episode.sample.group_index
+
+
+def _seed_items(items: list[_Item], base: int, group: int) -> None:
+    """One sampling seed per sample of ``group`` under ``base``: distinct within the group
+    (its samples must differ), the same whenever the group is generated again."""
+    for j, it in enumerate(items):
+        it.seed = (base * 1_000_003 + group * 1_009 + j) % 2**31
 
 
 # Async methods run on the actor's event loop; the manager is one process per run.

@@ -165,6 +165,27 @@ def test_seeded_evaluation_is_paired_across_calls(router):
     assert responses(run(unseeded.evaluate())) != responses(run(unseeded.evaluate()))
 
 
+def test_a_seeded_rollout_draws_the_same_samples_again_and_another_seed_does_not(router):
+    """rollout.seed: a new manager (a new run, or a resume) draws the same samples for the
+    same prompts, the samples of a group still differ, and another seed draws others."""
+    def first_steps(seed):
+        manager = RolloutManagerCore(router_url=router, **components.manager_args(
+            config(rollout_batch_size=2, n_samples_per_prompt=3, seed=seed)))
+        batches = [run(manager.generate(step)) for step in range(2)]
+        return [(label, tuple(tokens)) for b in batches
+                for label, tokens in zip(b.labels, b.tokens)]
+
+    seeded = first_steps(7)
+    assert first_steps(7) == seeded
+    groups = {}
+    for label, tokens in seeded:
+        groups.setdefault(label, set()).add(tokens)
+    assert max(len(samples) for samples in groups.values()) > 1  # a group's samples differ
+    other = first_steps(8)
+    assert [label for label, _ in other] == [label for label, _ in seeded]  # same prompts
+    assert other != seeded
+
+
 def test_arithmetic_env_single_turn(router):
     cfg = config(rollout_batch_size=2, n_samples_per_prompt=2)
     cfg.env.name = "arithmetic"
