@@ -478,11 +478,26 @@ def summarize(res: dict, batch: int) -> dict:
             "setup_s": res.get("setup_s"), "num_steps": len(steps)}
 
 
+def parse_systems(spec: str, threads: int) -> list[tuple[str, str, int]]:
+    """``--systems``' entries as (label, system, torch threads): ``trl@2`` is TRL at 2."""
+    out = []
+    for label in spec.split(","):
+        name, _, n = label.partition("@")
+        if name not in ("homegym", "homegym_async", "trl"):
+            raise SystemExit(f"--systems: unknown system {name!r}")
+        out.append((label, name, int(n) if n else threads))
+    return out
+
+
+def _name(label: str) -> str:
+    return label.partition("@")[0]
+
+
 def write_report(args, results: dict, out: Path) -> str:
     lines = [f"model `{args.model}`, {args.prompts} prompts x {args.samples} samples = "
              f"{args.prompts * args.samples} episodes/step, {args.max_new_tokens} new tokens/turn, "
              f"{args.steps} steps, homegym {args.engines} engine(s) + {args.ranks} rank(s), "
-             f"{args.threads} torch thread(s) per process", "",
+             f"{args.threads} torch thread(s) per process unless a system says @N", "",
              "| task | system | s/step (median) | s/step, each repeat | episodes/s | gen tok/s "
              "| gen | train | sync | overhead | success first->last quarter | load (1m) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -508,18 +523,21 @@ def write_report(args, results: dict, out: Path) -> str:
                          f"{lim['train_time'] / lim['step_time']:.0%} | | | | |")
     lines.append("")
     for task, per in results["tasks"].items():
-        for system in ("homegym", "homegym_async"):
-            if system in per and "trl" in per:
-                h, t = per[system]["summary"], per["trl"]["summary"]
-                paired = [a / b for a, b in zip(per[system].get("repeat_episodes_per_s", []),
-                                                per["trl"].get("repeat_episodes_per_s", []))]
-                lines.append(f"- {task}: {system}/TRL episodes/s = "
-                             f"{h['episodes_per_s'] / t['episodes_per_s']:.2f}x" + (
-                                 " (run by run: " + ", ".join(f"{x:.2f}x" for x in paired) + ")"
-                                 if len(paired) > 1 else ""))
-        if "homegym" in per and "_limit" in per:
-            lines.append(f"- {task}: homegym median step / limit = "
-                         f"{per['homegym']['summary']['median_step_s'] / per['_limit']['step_time']:.1f}x")
+        eps = lambda k: per[k]["summary"]["episodes_per_s"]  # noqa: E731
+        trls = [k for k in per if _name(k) == "trl"]
+        trl = max(trls, key=eps) if trls else None  # TRL at its faster thread count
+        for system in per:
+            if trl is None or _name(system) not in ("homegym", "homegym_async"):
+                continue
+            paired = [a / b for a, b in zip(per[system].get("repeat_episodes_per_s", []),
+                                            per[trl].get("repeat_episodes_per_s", []))]
+            lines.append(f"- {task}: {system}/{trl} episodes/s = {eps(system) / eps(trl):.2f}x" + (
+                " (run by run: " + ", ".join(f"{x:.2f}x" for x in paired) + ")"
+                if len(paired) > 1 else ""))
+        colocated = next((k for k in per if _name(k) == "homegym"), None)
+        if colocated is not None and "_limit" in per:
+            lines.append(f"- {task}: {colocated} median step / limit = "
+                         f"{per[colocated]['summary']['median_step_s'] / per['_limit']['step_time']:.1f}x")
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
     return text
@@ -572,7 +590,9 @@ def main() -> None:
     p.add_argument("--tasks", default="multi,single")
     p.add_argument("--systems", default="homegym,homegym_async,trl",
                    help="any of homegym (colocated, synchronous), homegym_async "
-                        "(disaggregated, max_staleness=1), trl")
+                        "(disaggregated, max_staleness=1), trl; NAME@N runs it with N torch "
+                        "threads instead of --threads (trl@1,trl@2: TRL at both counts, "
+                        "each homegym system compared with TRL's faster one)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--trl-attn", default="eager",
                    help="attn_implementation of TRL's model; TRL's default, sdpa, measured "
@@ -625,17 +645,19 @@ def main() -> None:
         runs: dict[str, list] = {}
         # Repeats interleave the systems, so a slow spell of the machine hits all of them.
         for rep in range(args.repeats):
-            for system in args.systems.split(","):
-                res_file = out / f"raw-{system}-{task}-{rep}.json"
+            for system, name, threads in parse_systems(args.systems, args.threads):
+                tag = system.replace("@", "-t")
+                res_file = out / f"raw-{tag}-{task}-{rep}.json"
                 load = loadavg()
                 print(f"== {task} / {system} run {rep + 1}/{args.repeats} (load {load}) ==",
                       flush=True)
                 t0 = time.perf_counter()
-                run_worker(base + passthrough + ["--_worker", system, "--_task", task,
-                                                 "--_model-path", model_path,
+                run_worker(base + passthrough + ["--threads", str(threads), "--_worker", name,
+                                                 "--_task", task, "--_model-path", model_path,
                                                  "--_result", str(res_file)],
-                           log_path=out / f"worker-{system}-{task}-{rep}.log")
+                           log_path=out / f"worker-{tag}-{task}-{rep}.log")
                 r = json.loads(res_file.read_text())
+                r["threads"] = threads
                 r["load_before"], r["load_after"] = load, loadavg()
                 r["wall_s"] = time.perf_counter() - t0
                 r["summary"] = summarize(r, args.prompts * args.samples)
@@ -649,8 +671,9 @@ def main() -> None:
             median["repeat_step_s"] = [r["summary"]["median_step_s"] for r in rs]
             median["repeat_episodes_per_s"] = [r["summary"]["episodes_per_s"] for r in rs]
             per[system] = median
-        if not args.no_limit and "homegym" in per:
-            per["_limit"] = run_limit(args, model_path, task, out, per["homegym"])
+        colocated = next((k for k in per if _name(k) == "homegym"), None)
+        if not args.no_limit and colocated is not None:
+            per["_limit"] = run_limit(args, model_path, task, out, per[colocated])
     results["load_end"] = loadavg()
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     plot(results, out)
