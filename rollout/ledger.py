@@ -33,6 +33,11 @@ def key_of(epoch: int, row: int) -> str:
     return f"{epoch}:{row}"
 
 
+def epoch_and_row(key: str) -> tuple[int, int]:
+    epoch, row = key.split(":")
+    return int(epoch), int(row)
+
+
 class Ledger:
     def __init__(self) -> None:
         self.state: dict[str, str] = {}  # key -> one of STATES

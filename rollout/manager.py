@@ -42,7 +42,7 @@ from rollout.filters import FILTERS
 from rollout.plugins import get_env_class, registered_or_dotted
 from rollout.args import RolloutArgs, load_plugin
 from rollout.data import DataSource
-from rollout.ledger import Ledger, key_of
+from rollout.ledger import Ledger, epoch_and_row, key_of
 from rollout.generate import (EnginePolicy, Episode, GenerateState, close_episode, run_episode,
                               sampling_params_from)
 from rollout.http import ABORT, ENDPOINT_NAMES, GATE, LAST_WEIGHT_VERSION, RETRIES, post
@@ -210,14 +210,15 @@ class RolloutManagerCore:
         key = self.ledger.next_requeued()
         if key is None:
             group = self.train_data.next_group()
-            key = key_of(self.train_data.epoch, self.train_data.last_row)
+            epoch, row = self.train_data.epoch, self.train_data.last_row
+            key = key_of(epoch, row)
         else:
-            group = self.train_data.make_group(int(key.split(":")[1]))
+            epoch, row = epoch_and_row(key)
+            group = self.train_data.make_group(row)
             self.ledger.counts["replaced"] += 1
         self.ledger.drawn(key, group[0].group_index)
         items = self._new_items(group)
         if self.rollout.seed is not None:
-            epoch, row = map(int, key.split(":"))
             _seed_items(items, self.rollout.seed, epoch * len(self.train_data) + row)
         return items
 

@@ -400,16 +400,16 @@ def no_leaked_actors_or_servers_per_module(request):
     """The same for module-scoped fixtures (an engine group shared by a module's tests),
     and no torch process group left in this process: a pytest worker runs many modules, and
     the next one's counts of groups would be off."""
-    actors, servers, groups = _alive_actors(), _servers(), _process_groups()
+    actors, servers, groups = _alive_actors(), _servers(), process_groups()
     yield
     _check_no_leaks(actors, servers, request.module.__name__)
-    left = sorted(_process_groups() - groups)
+    left = sorted(process_groups() - groups)
     if left:
         pytest.fail(f"{request.module.__name__} left torch process groups behind: {left}",
                     pytrace=False)
 
 
-def _process_groups() -> set[str]:
+def process_groups() -> set[str]:
     """The names of this process's torch process groups (none when torch.distributed was
     never imported: a fast test's check imports nothing)."""
     c10d = sys.modules.get("torch.distributed.distributed_c10d")

@@ -143,9 +143,8 @@ def test_each_engine_has_its_own_broadcast_group_so_a_death_mid_push_holds_no_ot
 
     import psutil
     from safetensors.torch import load_file
-    from torch.distributed import distributed_c10d as c10d
 
-    from conftest import wait_for
+    from conftest import process_groups, wait_for
     from rollout.engines.client import EngineError
     from rollout.engines.hf.server import WEIGHT_GROUP_TIMEOUT_S
     from trainer.training.train_group import TrainActor
@@ -180,7 +179,7 @@ def test_each_engine_has_its_own_broadcast_group_so_a_death_mid_push_holds_no_ot
             yield sorted(load_file(os.path.join(tiny_model_path, "model.safetensors")).items())
 
     def weight_groups() -> set[str]:
-        return {n for n in c10d._world.pg_names.values() if n.startswith("homegym_weights")}
+        return {n for n in process_groups() if n.startswith("homegym_weights")}
 
     others = weight_groups()  # another test's, in this pytest process
 
