@@ -354,16 +354,23 @@ class RolloutManagerCore:
                 for t in done:
                     items = tasks.pop(t)
                     t.result()
-                    stats.aborted_groups += 1
-                    if keep and not any(s.status == Status.FAILED for it in items
-                                        for s in (it.result or [])):
+                    failed = any(s.status == Status.FAILED for it in items
+                                 for s in (it.result or []))
+                    if failed:
+                        stats.failed_groups += 1
+                    else:
+                        stats.aborted_groups += 1
+                    if keep and not failed:
                         for it in items:
                             if it.result and it.result[0].status == Status.ABORTED:
                                 it.result = None  # to continue
                         self.buffer.append(items)
                         self.ledger.buffered(_group_index(items))
                     else:
-                        self.ledger.requeue(_group_index(items), "aborted")
+                        # A group with a failed sample counts as failed whether it ended
+                        # before or during the drain.
+                        self.ledger.requeue(_group_index(items),
+                                            "failed" if failed else "aborted")
                         await asyncio.gather(*(close_episode(it.episode) for it in items))
             for t, items in tasks.items():  # engines ignored the abort: give up on these
                 t.cancel()

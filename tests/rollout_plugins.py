@@ -31,6 +31,17 @@ async def hang_on_group_1(args, sample, sampling_params):
     return await default_generate(args, sample, sampling_params)
 
 
+async def fail_group_1_during_the_drain(args, sample, sampling_params):
+    """Group 1's first sample fails at once; its second runs until the step's drain aborts
+    it, so the group ends during the drain with one failed sample."""
+    if sample.group_index == 1:
+        if sample.index % 2 == 0:
+            raise RuntimeError("injected failure")
+        while not ABORT.on:
+            await asyncio.sleep(0.01)
+    return await default_generate(args, sample, sampling_params)
+
+
 class SlowStartEnv(NumberGuessEnv):
     """Odd groups are held in reset until the step aborts what is in flight or a test
     releases them (``SlowStartEnv.hold = False``): still in flight, for certain, when the

@@ -106,5 +106,9 @@ def test_manager_trains_every_group_once_through_failures_extras_and_a_checkpoin
     assert sorted(pending) == sorted(outstanding) and pending, (pending, outstanding)
     assert redrawn >= len(pending)
     assert summary["ledger/trained_twice"] == 0
-    assert summary["ledger/requeued_failed"] > 0 and summary["ledger/requeued_extra"] > 0
+    # Failed groups are requeued as failed whether they end before or during the drain
+    # at the step's end; an unused over-sampled group ends as an extra when it finishes
+    # with the last accepted one, or as aborted when the drain stops it.
+    assert summary["ledger/requeued_failed"] == len(FLAKY["failed_once"]) > 0
+    assert summary.get("ledger/requeued_extra", 0) + summary.get("ledger/requeued_aborted", 0) > 0
     assert summary["ledger/replaced"] > 0

@@ -85,6 +85,17 @@ def test_failing_reward_function_is_contained(router):
     assert set(b.rewards) == {0.5}
 
 
+def test_a_group_that_fails_while_the_step_drains_is_requeued_as_failed(router):
+    cfg = config(rollout_batch_size=2, over_sampling_batch_size=3, n_samples_per_prompt=2,
+                 custom_generate_function="rollout_plugins.fail_group_1_during_the_drain",
+                 custom_rm_function="rollout_plugins.group_parity_rm")
+    m = RolloutManagerCore(router_url=router, **components.manager_args(cfg))
+    b = run(m.generate(0))
+    assert sorted(set(b.group_ids)) == [0, 2]
+    assert b.metrics["rollout/failed_groups"] == 1
+    assert m.ledger.counts["requeued_failed"] == 1 and not m.ledger.counts["requeued_aborted"]
+
+
 def test_group_reward_function(router):
     cfg = config(rollout_batch_size=2, n_samples_per_prompt=3,
                  custom_rm_function="rollout_plugins.group_rm", group_rm=True)
