@@ -112,3 +112,29 @@ def test_manager_trains_every_group_once_through_failures_extras_and_a_checkpoin
     assert summary["ledger/requeued_failed"] == len(FLAKY["failed_once"]) > 0
     assert summary.get("ledger/requeued_extra", 0) + summary.get("ledger/requeued_aborted", 0) > 0
     assert summary["ledger/replaced"] > 0
+
+
+def test_sampling_seeds_are_distinct_across_groups_and_epochs_and_fixed_per_group():
+    """rollout.seed gives every sample of every (epoch, row) group a seed of its own, and
+    the same seed when the group is generated again (requeued, or drawn by a resumed run)."""
+    from rollout.manager import RolloutManagerCore
+    from rollout_engines import config
+
+    def manager(seed):  # drawing groups posts nothing: no engine behind the URL
+        return RolloutManagerCore(router_url="http://127.0.0.1:9", **components.manager_args(
+            config(seed=seed, n_samples_per_prompt=3)))
+
+    def draw(m, groups):
+        return [[it.seed for it in m._draw_group()] for _ in range(groups)]
+
+    m = manager(7)
+    num_rows = len(m.train_data)
+    seeds = draw(m, 2 * num_rows + 3)  # into a third epoch
+    flat = [s for group in seeds for s in group]
+    assert len(set(flat)) == len(flat)  # across samples, groups and epochs
+    assert draw(manager(7), len(seeds)) == seeds  # a new run draws the same again
+    assert set(flat).isdisjoint(s for g in draw(manager(8), len(seeds)) for s in g)
+    # A dropped group is generated again with the seeds it had.
+    last = m.train_data.last_row
+    m.ledger.requeue(max(m.ledger.group_key), "failed")  # the last group drawn
+    assert draw(m, 1) == [seeds[-1]] and m.train_data.last_row == last
