@@ -26,9 +26,11 @@ torch.set_num_threads(1)
 # @pytest.mark.subprocess; end-to-end ones carry @pytest.mark.slow. A test with none of
 # them that starts a process anyway fails (the audit hook below sees every spawn).
 TIER_MARKERS = ("slow", "ray", "subprocess")
-# Quick system tools libraries run on their own (platform.processor() runs uname): not
-# what the tier is about. A fork without exec (a privilege drop) is not either.
-_QUICK_TOOLS = frozenset({"uname", "ldconfig", "git", "nproc", "lscpu", "id", "df", "which"})
+# Quick system tools libraries run on their own (platform.processor() runs uname;
+# matplotlib's first import on a machine runs fc-list to build its font cache): not what
+# the tier is about. A fork without exec (a privilege drop) is not either.
+_QUICK_TOOLS = frozenset({"uname", "ldconfig", "git", "nproc", "lscpu", "id", "df", "which",
+                          "fc-list"})
 _fast_guard: dict = {"armed": False, "spawned": []}
 
 
