@@ -4,10 +4,11 @@
     python scripts/cpu_by_process.py [--interval 0.5] [--top 15] -- COMMAND [ARGS...]
 
 Every ``--interval`` seconds it reads utime + stime of each process from /proc and keeps
-the last reading per pid (and the first non-empty command line: an exited actor's reads
+the last reading per pid (and its last non-empty command line: an exiting actor's reads
 empty); at the end it prints the wall time and the CPU each command line took, processes
 with the same command line summed (numbers and /tmp paths folded, so the same role from two
-runs groups). A process's last interval before it exits is missed, so short-lived ones
+runs groups). The command's own process is read once more as it exits, before it is
+reaped; any other process's last interval before it exits is missed, so short-lived ones
 read low. To get a per-step figure, run the same benchmark at two step counts and take the
 difference (docs/performance.md does this for bench_vs_trl.py's async step).
 """
@@ -60,10 +61,16 @@ def main() -> None:
     start = time.perf_counter()
     proc = subprocess.Popen(command)
     last: dict[int, tuple[float, str]] = {}
-    while proc.poll() is None:
+    while True:
+        # Exited but not yet reaped, the command's process still shows its final CPU (its
+        # own only: wait4's figure would add its reaped children, Ray's daemons among them).
+        exited = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         for pid, (cpu, cmd) in read_all().items():
             last[pid] = (cpu, cmd or last.get(pid, (0.0, ""))[1])
+        if exited is not None:
+            break
         time.sleep(args.interval)
+    returncode = proc.wait()
     wall = time.perf_counter() - start
     by_role: dict[str, float] = collections.defaultdict(float)
     for pid, (cpu, cmd) in last.items():
@@ -76,7 +83,7 @@ def main() -> None:
           f"on {os.cpu_count()} CPUs")
     for name, cpu in sorted(by_role.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"{cpu:8.2f}  {name}")
-    sys.exit(proc.returncode)
+    sys.exit(returncode)
 
 
 if __name__ == "__main__":
