@@ -666,6 +666,102 @@ def test_lean_forward_equals_transformers_forward(arch, packed, tiny_model_path,
     assert len(fwd.matmuls) == (7 * model.config.num_hidden_layers + 1 if packed else 0)
 
 
+def saved_small_model(arch: str, tiny_model_path: str, tmp_path) -> str:
+    """small_model's checkpoint on disk (the built-in tiny Qwen3 is one already)."""
+    if arch == "qwen3":
+        return tiny_model_path
+    small_model(arch, tiny_model_path).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+@torch.no_grad()
+def test_engine_builds_the_llama_family_as_transformers_does(arch, dtype, tiny_model_path,
+                                                               tmp_path):
+    """The engine's own model tree (llama_family.py, no transformers model class) is
+    transformers' from_pretrained model to the bit: the same parameter names in the same
+    order, the same tensors and dtypes (cast from the checkpoint's), the LM head tied to the
+    embedding exactly when transformers ties it, the same end-of-sequence ids; and the
+    engine's forward over each gives the same logits, bitwise, on the engine's layouts."""
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+    from rollout.engines.hf import fast_kernels, lean, llama_family
+
+    path = saved_small_model(arch, tiny_model_path, tmp_path)
+    ours = llama_family.load(path, AutoConfig.from_pretrained(path), dtype)
+    theirs = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=fast_kernels.register()).eval()
+    assert isinstance(ours, llama_family.CausalLM)
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+    mine, want = ours.state_dict(), theirs.state_dict()
+    assert list(mine) == list(want)
+    for name in want:
+        assert mine[name].dtype == want[name].dtype == dtype, name
+        assert torch.equal(mine[name], want[name]), name
+    tied = theirs.lm_head.weight is theirs.model.embed_tokens.weight
+    assert tied == (arch != "qwen2")  # the configs above: Qwen2's head is its own
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+    assert ours.generation_config.eos_token_id == theirs.generation_config.eos_token_id
+    assert lean.runs(ours) and lean.runs(theirs)
+    forwards = (lean.LeanForward(ours), lean.LeanForward(theirs))
+    ids, mask, pos = engine_layout(min(300, ours.config.vocab_size))
+    caches = (DynamicCache(), DynamicCache())
+    for _ in range(3):  # a packed prefill, then decode steps over the cache
+        got, expected = (f(ids, mask, pos, c) for f, c in zip(forwards, caches))
+        assert torch.equal(got, expected)
+        ids = expected.argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+        pos = pos[:, -1:] + 1
+
+
+def test_engine_leaves_other_checkpoints_to_transformers(tiny_model_path, tmp_path):
+    """A checkpoint the engine's own model does not take gets transformers' model: a
+    configuration it does not build (a sliding window, a RoPE that changes with the
+    length), or tensors it does not expect."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from rollout.engines.hf import llama_family
+
+    config = AutoConfig.from_pretrained(tiny_model_path)
+    assert llama_family.load(tiny_model_path, config, torch.float32) is not None
+    for change in ({"use_sliding_window": True},
+                   {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4,
+                                        "factor": 2.0}}):
+        other = AutoConfig.from_pretrained(tiny_model_path, **change)
+        assert not llama_family.supports(other), change
+        assert llama_family.load(tiny_model_path, other, torch.float32) is None, change
+    shutil.copytree(tiny_model_path, tmp_path / "m")
+    weights = load_file(str(tmp_path / "m" / "model.safetensors"))
+    weights["model.layers.0.self_attn.extra.weight"] = torch.zeros(2)
+    save_file(weights, str(tmp_path / "m" / "model.safetensors"))
+    assert llama_family.load(str(tmp_path / "m"), config, torch.float32) is None
+
+
+@pytest.mark.subprocess
+def test_engine_start_imports_no_transformers_model_class(tiny_model_path):
+    """An engine on a Llama-family model starts without transformers' model classes (whose
+    imports, torch._dynamo and sympy among them, were 2-3 CPU-seconds of every engine
+    start); with --disable-fast-attention it still runs transformers' own model."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from rollout.engines.hf.server import Server, parse_args; "
+             "s = Server(parse_args(sys.argv[1:])); print(type(s.model).__name__, sorted("
+             "m for m in ('transformers.modeling_utils', 'torch._dynamo', 'sympy') "
+             "if m in sys.modules))")
+    for extra, want in (([], "CausalLM []"),
+                        (["--disable-fast-attention"], "Qwen3ForCausalLM ['sympy', "
+                         "'torch._dynamo', 'transformers.modeling_utils']")):
+        out = subprocess.run([sys.executable, "-c", probe, "--model-path", tiny_model_path,
+                              *extra], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().splitlines()[-1] == want
+
+
 @pytest.mark.slow
 @torch.no_grad()
 def test_lean_forward_logprobs_on_smollm2_match_a_fresh_forward():

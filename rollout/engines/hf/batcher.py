@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from rollout.engines.hf import fast_kernels, hybrid, lean
+from rollout.engines.hf import hybrid, lean
 from rollout.engines.hf.batch_kv import BatchKV, HybridKV
 from rollout.engines.hf.fast_kernels import GrowingLayer
 from rollout.models import cache_kwarg
@@ -250,8 +250,7 @@ class Batcher:
         self._cache_kw = cache_kwarg(model)
         # transformers' forward without its module stack, where the engine's attention and
         # a Llama-family architecture allow (rollout/engines/hf/lean.py; same results).
-        self._lean = (lean.LeanForward(model) if lean.supports(model) and getattr(
-            model.config, "_attn_implementation", None) == fast_kernels.ATTN_NAME else None)
+        self._lean = lean.LeanForward(model) if lean.runs(model) else None
         if self._hybrid:  # transformers' forward has no per-row states to continue from
             self._lean = hybrid.HybridForward(model)
         self.thread = threading.Thread(target=self._loop, name="hf-batcher", daemon=True)

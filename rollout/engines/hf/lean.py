@@ -26,19 +26,26 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from rollout.engines.hf.fast_kernels import gqa_attention_forward, rms_norm, rope_
+from rollout.engines.hf import llama_family
+from rollout.engines.hf.fast_kernels import ATTN_NAME, gqa_attention_forward, rms_norm, rope_
 from rollout.engines.hf.packed_linear import PackedLinears
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 VOCAB_SLICE = 1024
 
 
 def supports(model) -> bool:
     cfg = model.config
-    return (type(model).__name__ in ARCHITECTURES
+    return (type(model).__name__ in llama_family.ARCHITECTURES
             and not getattr(cfg, "use_sliding_window", False)
             and all(t == "full_attention" for t in (getattr(cfg, "layer_types", None) or ()))
             and getattr(cfg, "pretraining_tp", 1) == 1)
+
+
+def runs(model) -> bool:
+    """Whether the engine runs this forward for ``model``: the engine's own Llama-family
+    model (llama_family.py), or transformers' with the engine's attention."""
+    return isinstance(model, llama_family.CausalLM) or (supports(model) and getattr(
+        model.config, "_attn_implementation", None) == ATTN_NAME)
 
 
 def _norm(norm, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:

@@ -40,7 +40,7 @@ import uvloop
 from aiohttp import web
 
 from rollout.checkpoints import is_vlm, read_config
-from rollout.engines.hf import fast_kernels
+from rollout.engines.hf import fast_kernels, llama_family
 from rollout.engines.hf.batcher import Batcher, Request
 from rollout.engines.client import PINNED_SGLANG_VERSION, SUPPORTED_SGLANG_VERSIONS
 from rollout.engines.weights_io import deserialize_named_tensors, init_custom_process_group
@@ -159,17 +159,24 @@ def routes(contract_version: str) -> list[tuple[str, str, str]]:
 
 class Server:
     def __init__(self, args: argparse.Namespace):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         self.args = args
         self.model_path = args.model_path
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
-        attn = args.attn_implementation
-        if attn == "eager" and not args.disable_fast_attention:
-            attn = fast_kernels.register()  # eager's math without copying K/V per step
-        self.model = AutoModelForCausalLM.from_pretrained(
-            args.model_path, dtype=DTYPES[args.dtype], attn_implementation=attn)
-        self.model.eval()
+        self.model = None
+        fast = args.attn_implementation == "eager" and not args.disable_fast_attention
+        if fast:  # the engine's own forward on the Llama family, without transformers' classes
+            self.model = llama_family.load(args.model_path, AutoConfig.from_pretrained(
+                args.model_path), DTYPES[args.dtype])
+        if self.model is None:
+            from transformers import AutoModelForCausalLM
+
+            # register(): eager's math without copying K/V per step
+            attn = fast_kernels.register() if fast else args.attn_implementation
+            self.model = AutoModelForCausalLM.from_pretrained(
+                args.model_path, dtype=DTYPES[args.dtype], attn_implementation=attn)
+            self.model.eval()
         self.vlm_checkpoint = is_vlm(read_config(args.model_path))
         if args.weight_noise:
             perturb(self.model.named_parameters(), args.weight_noise)
