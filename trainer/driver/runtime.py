@@ -85,8 +85,13 @@ def connect_ray(config: HomegymConfig, *, pip: Sequence[str] = ()) -> bool:
     # address="local": always a new instance of our own. Without it Ray joins whatever
     # cluster it finds on this machine (a `ray start --head`, another run's), which is
     # neither what the user asked for nor compatible with num_cpus.
+    # No prestarted workers: the actors here ask for environments of their own (threads,
+    # NCCL settings) that a worker prestarted for the job lacks, so one sat idle through
+    # every launch, ~1.4 CPU-seconds for nothing (docs/testing.md).
     ray.init(address="local", num_cpus=needed, include_dashboard=False,
-             runtime_env=runtime_env, log_to_driver=True)
+             runtime_env=runtime_env, log_to_driver=True,
+             _system_config={"enable_worker_prestart": False,
+                             "prestart_worker_first_driver": False})
     return True
 
 
