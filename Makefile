@@ -34,10 +34,11 @@ run: $(STAMP)
 
 ## The whole test suite, end-to-end tests included (what CI runs), on TEST_WORKERS pytest
 ## workers (pytest-xdist), each handed whole test files (a file's module-scoped engines start
-## once): one worker keeps 1.3 of 2 cores busy (docs/testing.md). TEST_WORKERS=0: one process.
+## once) in tests/conftest.py's order, the files with the most end-to-end tests first: one
+## worker keeps 1.3 of 2 cores busy (docs/testing.md). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 ## The fast tier: no Ray, no subprocess (docs/testing.md: tiers and markers), one pytest
 ## worker per CPU (pytest-xdist).

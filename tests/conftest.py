@@ -1,5 +1,6 @@
 """Shared fixtures: one torch thread per process, a model cache, a real local Ray."""
 
+import collections
 import contextlib
 import os
 import sys
@@ -65,6 +66,13 @@ def pytest_collection_modifyitems(config, items):
         if info is not None and any(getattr(d.func, "starts_processes", False)
                                     for defs in info.name2fixturedefs.values() for d in defs):
             item.add_marker(pytest.mark.subprocess)
+    # Files with the most end-to-end tests first, each file's own order kept. `make test`
+    # hands whole files to its workers in this order (--no-loadscope-reorder; xdist's own
+    # order is by test count, which put the one-test end-to-end files, 45-75 s each, last),
+    # so the long runs start early and small files fill in at the end instead of one
+    # worker idling while the other finishes a long run.
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])
 
 
 def _is_fast(item) -> bool:
@@ -541,10 +549,18 @@ def pytest_sessionstart(session):
     _session_start.append(time.monotonic())
 
 
+_worker_done: dict = {}  # pytest-xdist worker -> seconds into the session of its last report
+
+
 def pytest_runtest_logreport(report):
+    import time
+
     # A test's time is its setup + call + teardown (a module fixture's start-up counts
     # for the test that set it up).
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    node = getattr(report, "node", None)  # set in the controller of a -n run
+    if node is not None and _session_start:
+        _worker_done[node.gateway.id] = time.monotonic() - _session_start[0]
 
 
 @pytest.hookimpl(trylast=True)  # after --durations' list: the log's last lines
@@ -561,6 +577,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr.write_line(f"wall time {wall:.0f} s ({wall / 60:.1f} min) for {len(_durations)} tests; "
                   f"load average now {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
                   f"on {os.cpu_count()} CPUs")
+    if len(_worker_done) > 1:  # the gap is time a worker had no file left to take
+        tr.write_line("each worker's last test ended at " + ", ".join(
+            f"{w} {t:.0f} s" for w, t in sorted(_worker_done.items())))
     tr.write_line("ten slowest tests (setup + call + teardown):")
     for nodeid, seconds in sorted(_durations.items(), key=lambda kv: -kv[1])[:10]:
         tr.write_line(f"  {seconds:7.1f} s  {nodeid}")

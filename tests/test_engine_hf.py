@@ -764,17 +764,17 @@ def test_engine_start_imports_no_transformers_model_class(tiny_model_path):
 def test_lean_forward_logprobs_on_smollm2_match_a_fresh_forward():
     """The 1e-4 log-prob contract on a real model, with everything the engine runs for it:
     packed prefill of mixed lengths, oneDNN-packed matmuls (SmolLM2's weights are over the
-    size bar), the C decode attention, decode steps over the cache. Against transformers'
-    plain forward (its default attention) over each finished sequence, no cache."""
-    from transformers import AutoModelForCausalLM, DynamicCache
+    size bar), the C decode attention, decode steps over the cache, on the model the engine
+    builds (llama_family.py). Against transformers' plain forward (its default attention)
+    over each finished sequence, no cache."""
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-    from rollout.engines.hf import fast_kernels, lean
+    from rollout.engines.hf import lean, llama_family
     from rollout.models import resolve_model_path
 
     path = resolve_model_path("smollm2-135m")
     plain = AutoModelForCausalLM.from_pretrained(path).eval()
-    model = AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation=fast_kernels.register()).eval()
+    model = llama_family.load(path, AutoConfig.from_pretrained(path), torch.float32)
     fwd = lean.LeanForward(model)
     gen = torch.Generator().manual_seed(0)
     lengths = [23, 61, 9, 40]
