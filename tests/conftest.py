@@ -126,9 +126,9 @@ def ray_local():
     tmp = tempfile.mkdtemp(prefix="hg-ray-")
     # Logical CPUs above the 2 physical cores: actors here mostly wait on I/O.
     # address="local": always a fresh instance, never one already running on the machine.
+    # Its workers inherit this process's environment (one thread, HOMEGYM_CACHE: set at the
+    # top of this file); a runtime_env would start each of them through Ray's setup shim.
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                                       "HOMEGYM_CACHE": os.environ["HOMEGYM_CACHE"]}},
              _temp_dir=tmp)
     yield ray
     ray.shutdown()

@@ -45,8 +45,8 @@ def test_engines_and_ranks_agree_on_nccl_cumem(monkeypatch, user, args, want):
 
 
 def test_a_training_rank_process_runs_with_that_environment(ray_local, monkeypatch):
-    """The value reaches the rank's own process (its Ray runtime env), not only the spec:
-    the Ray workers here started without the variable."""
+    """The value reaches the rank's own process (set there as the rank starts), not only
+    the spec: the Ray workers here started without the variable."""
     monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")
     config = compose_config("train.ranks_per_node=1", "rollout.num_engines=1")
     group = components.train_group(config)
@@ -57,3 +57,40 @@ def test_a_training_rank_process_runs_with_that_environment(ray_local, monkeypat
     finally:
         group.shutdown()
     assert got == [("1", str(config.cluster.torch_threads))]
+
+
+PROBE = """
+import os, ray
+from config import compose_config
+from trainer.driver.runtime import connect_ray, worker_env
+
+config = compose_config(["cluster.torch_threads=2"])
+before = dict(os.environ)  # Ray adds variables of its own: compare the run's
+assert connect_ray(config)
+
+want = worker_env(config)
+
+@ray.remote
+def worker(keys):
+    return {key: os.environ.get(key) for key in keys}
+
+print(want == ray.get(worker.remote(list(want))),
+      all(os.environ.get(key) == before.get(key) for key in want),
+      ray.get_runtime_context().runtime_env == {})
+ray.shutdown()
+"""
+
+
+@pytest.mark.subprocess
+def test_a_local_instance_hands_its_workers_the_runs_variables_without_a_runtime_env():
+    """The Ray instance a run starts for itself gives every worker the run's variables
+    (threads, tokenizers, the model cache) through the environment it starts with, and
+    no runtime_env (which would start each worker through Ray's setup shim, a second
+    interpreter start); the driver's own environment is left as it was."""
+    import sys
+
+    from conftest import REPO, clean_env, run_group
+
+    out = run_group([sys.executable, "-c", PROBE], cwd=REPO, env=clean_env(), timeout_s=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "True True True"

@@ -141,9 +141,10 @@ class EngineGroup(_FanOut):
                       "num_gpus": rollout.num_gpus_per_engine if gpu else 0,
                       # A sync actor runs its methods on one long-lived thread, which matters:
                       # the server dies with the thread that launched it (PDEATHSIG).
-                      "max_concurrency": 1,
-                      "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(self.cluster.torch_threads),
-                                                   "TOKENIZERS_PARALLELISM": "false"}}}
+                      # No runtime_env: the actor computes nothing, and it hands the server
+                      # its threads in the server's own environment (actor.py); a
+                      # runtime_env would start it through Ray's setup shim, ~0.4 CPU-s.
+                      "max_concurrency": 1}
         if self.resources is not None:
             opts["num_cpus"], opts["num_gpus"] = self.resources
         if self.placement is not None and index < len(self.placement) and \

@@ -17,6 +17,7 @@ gives the engines their memory back (trainer/weight_sync/engine_updates.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -73,10 +74,10 @@ def connect_ray(config: HomegymConfig, *, pip: Sequence[str] = ()) -> bool:
     # keys again, so the job's values win and only the missing keys are added.
     for key in _job_env_vars():
         env_vars.pop(key, None)
-    runtime_env: dict = {"env_vars": env_vars}
-    if pip:
-        runtime_env["pip"] = list(pip)
     if address:
+        runtime_env: dict = {"env_vars": env_vars}
+        if pip:
+            runtime_env["pip"] = list(pip)
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         return False
     # Logical CPUs: engines and training ranks share bundles when colocated and mostly wait
@@ -85,14 +86,32 @@ def connect_ray(config: HomegymConfig, *, pip: Sequence[str] = ()) -> bool:
     # address="local": always a new instance of our own. Without it Ray joins whatever
     # cluster it finds on this machine (a `ray start --head`, another run's), which is
     # neither what the user asked for nor compatible with num_cpus.
-    # No prestarted workers: the actors here ask for environments of their own (threads,
-    # NCCL settings) that a worker prestarted for the job lacks, so one sat idle through
-    # every launch, ~1.4 CPU-seconds for nothing (docs/testing.md).
-    ray.init(address="local", num_cpus=needed, include_dashboard=False,
-             runtime_env=runtime_env, log_to_driver=True,
-             _system_config={"enable_worker_prestart": False,
-                             "prestart_worker_first_driver": False})
+    # The workers' variables go in the environment the local instance starts with (its
+    # raylet passes it on to every worker), not in a runtime_env: any runtime_env starts
+    # each worker through Ray's setup shim, a second interpreter start per actor (~0.4
+    # CPU-s, ~0.45 s). No prestarted workers: they sat idle through every launch, ~1.4
+    # CPU-s for nothing (docs/testing.md).
+    with _environ(env_vars):
+        ray.init(address="local", num_cpus=needed, include_dashboard=False,
+                 runtime_env={"pip": list(pip)} if pip else None, log_to_driver=True,
+                 _system_config={"enable_worker_prestart": False,
+                                 "prestart_worker_first_driver": False})
     return True
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    """``os.environ`` with ``values`` set, as it was again afterwards."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _hold_signals() -> dict:
