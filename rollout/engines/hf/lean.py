@@ -1,7 +1,8 @@
 """The engine's forward pass for Llama-family decoders, without transformers' module stack.
 
-Same weights (read from the transformers modules at every call, so weight updates,
-release and resume need no hook), same math and same order of operations as transformers'
+Same weights (read from the model's modules at every call, so weight updates, release
+and resume need no hook; the modules are llama_family.py's, or transformers' own where the
+engine runs transformers' model), same math and same order of operations as transformers'
 eager forward of Llama, Qwen2 and Qwen3. What it drops is per-call machinery the engine
 does not use: module hooks, decorators, kwargs plumbing, output dataclasses and the
 general mask builder. On one CPU core that machinery is a real share of a small model's

@@ -47,8 +47,9 @@ def supports(config) -> bool:
 
 class Linear(nn.Linear):
     def reset_parameters(self) -> None:
-        """Left uninitialised: :func:`load` assigns the checkpoint's tensors. (torch's
-        initialisers on the meta device import torch._dynamo, a second of CPU.)"""
+        """Left uninitialised: :func:`load` assigns the checkpoint's tensors, so an
+        initialisation would be wasted work (and on the meta device torch's initialisers
+        import torch._dynamo, a second of CPU)."""
 
 
 class Embedding(nn.Embedding):
@@ -191,7 +192,7 @@ def load(path: str, config, dtype: torch.dtype) -> Optional[CausalLM]:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not supports(config) or not files:
         return None
-    # torch.empty: the parameters take no memory until assigned below.
+    # Uninitialised (torch.empty): the checkpoint's tensors replace them below.
     model = CausalLM(config, _generation_config(path, config))
     expected = {n for n, _ in model.named_parameters()}
     weights: dict[str, torch.Tensor] = {}
