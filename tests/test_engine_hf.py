@@ -8,7 +8,8 @@ import pytest
 import requests
 import torch
 
-from conftest import fresh_logprobs, push_tensors, running_engine, starts_processes, wait_for
+from conftest import (fresh_logprobs, push_tensors, run_group, running_engine, starts_processes,
+                      wait_for)
 from rollout.models import cache_kwarg
 from rollout.engines import (PINNED_SGLANG_VERSION, EngineError, EngineServer, HFLaunch,
                              MultiprocessingSerializer)
@@ -746,15 +747,14 @@ def test_engine_start_imports_no_transformers_model_class(tiny_model_path):
     """An engine on a Llama-family model starts without transformers' model classes, whose
     imports (torch._dynamo and sympy among them) were 2-3 CPU-seconds of every engine
     start. (Loading the same model through transformers imports all three.)"""
-    import subprocess
     import sys
 
     probe = ("import sys; from rollout.engines.hf.server import Server, parse_args; "
              "s = Server(parse_args(sys.argv[1:])); print(type(s.model).__name__, sorted("
              "m for m in ('transformers.modeling_utils', 'torch._dynamo', 'sympy') "
              "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", probe, "--model-path", tiny_model_path],
-                         capture_output=True, text=True, timeout=120)
+    out = run_group([sys.executable, "-c", probe, "--model-path", tiny_model_path],
+                    timeout_s=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "CausalLM []"
 

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from conftest import compose_config
+from conftest import REPO, clean_env, compose_config, run_group
 from rollout.engines.actor import releases_cuda_graphs
 from trainer.driver import components
 
@@ -88,8 +88,6 @@ def test_a_local_instance_hands_its_workers_the_runs_variables_without_a_runtime
     no runtime_env (which would start each worker through Ray's setup shim, a second
     interpreter start); the driver's own environment is left as it was."""
     import sys
-
-    from conftest import REPO, clean_env, run_group
 
     out = run_group([sys.executable, "-c", PROBE], cwd=REPO, env=clean_env(), timeout_s=120)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -35,11 +35,8 @@ VOCAB_SLICE = 1024
 
 
 def supports(model) -> bool:
-    cfg = model.config
     return (type(model).__name__ in llama_family.ARCHITECTURES
-            and not getattr(cfg, "use_sliding_window", False)
-            and all(t == "full_attention" for t in (getattr(cfg, "layer_types", None) or ()))
-            and getattr(cfg, "pretraining_tp", 1) == 1)
+            and llama_family.full_attention(model.config))
 
 
 def runs(model) -> bool:

@@ -32,15 +32,21 @@ ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
+def full_attention(config) -> bool:
+    """Every layer attends to the whole sequence and no matmul is split for tensor-parallel
+    pretraining: what lean.py's forward computes, on this module's model or transformers'."""
+    return (not getattr(config, "use_sliding_window", False)
+            and all(t == "full_attention" for t in (getattr(config, "layer_types", None) or ()))
+            and getattr(config, "pretraining_tp", 1) == 1)
+
+
 def supports(config) -> bool:
     """Whether :func:`load` builds this configuration (transformers' PretrainedConfig)."""
     archs = getattr(config, "architectures", None) or ()
     rope = getattr(config, "rope_parameters", None) or {}
     return (len(archs) == 1 and archs[0] in ARCHITECTURES
             and config.model_type in ("llama", "qwen2", "qwen3")
-            and not getattr(config, "use_sliding_window", False)
-            and all(t == "full_attention" for t in (getattr(config, "layer_types", None) or ()))
-            and getattr(config, "pretraining_tp", 1) == 1
+            and full_attention(config)
             and rope.get("rope_type", "default") in STATIC_ROPE
             and getattr(config, "partial_rotary_factor", 1.0) == 1.0)
 
