@@ -113,8 +113,10 @@ def test_sglang_style_readiness_and_registration(tiny_model_path, tmp_path):
         router.start([])
         eng.register(router.url)  # what the sglang actor does after readiness
         router.wait_healthy([url])
-        r = requests.post(router.url + "/generate", json={"input_ids": [1, 2], "sampling_params":
-                                                          {"max_new_tokens": 2}}, timeout=30)
+        # ignore_eos: the tiny model is random, and its sampled token is its eos ~0.3% of the time.
+        sampling = {"max_new_tokens": 2, "ignore_eos": True}
+        r = requests.post(router.url + "/generate",
+                          json={"input_ids": [1, 2], "sampling_params": sampling}, timeout=30)
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
     finally:
         router.shutdown()
