@@ -14,25 +14,21 @@
 Submodules import lazily-heavy things (torch, ray) only where needed.
 """
 
-from rollout.engines.actor import (EngineServer, HFLaunch, LaunchSpec, SGLangLaunch, free_port,
-                                   remote_actor_class, launch_spec)
-from rollout.engines.client import (PINNED_SGLANG_VERSION, SUPPORTED_SGLANG_VERSIONS,
-                                    EngineClient, EngineError, UnsupportedEngineVersion)
-from rollout.engines.group import EngineGroup, EngineTarget
-from rollout.engines.router import Router
+from rollout.lazy_exports import lazy_exports
 
-# weights_io imports torch; the processes that only supervise an engine or speak HTTP to one
-# (every engine actor, the rollout manager) import this package and need none of it.
-_WEIGHTS_IO = ("MultiprocessingSerializer", "init_custom_process_group", "serialize_for_sglang")
-
-
-def __getattr__(name: str):
-    if name in _WEIGHTS_IO:
-        from rollout.engines import weights_io
-
-        return getattr(weights_io, name)
-    raise AttributeError(f"module 'rollout.engines' has no attribute {name!r}")
-
+# Each name is loaded on first use. An engine server imports this package for its client's
+# constants alone; the actor, group and router modules (requests, Ray's helpers) and
+# weights_io (torch) would cost the processes that need none of them at start.
+__getattr__, __dir__ = lazy_exports(__name__, {
+    **dict.fromkeys(("EngineServer", "HFLaunch", "LaunchSpec", "SGLangLaunch", "free_port",
+                     "remote_actor_class", "launch_spec"), "rollout.engines.actor"),
+    **dict.fromkeys(("PINNED_SGLANG_VERSION", "SUPPORTED_SGLANG_VERSIONS", "EngineClient",
+                     "EngineError", "UnsupportedEngineVersion"), "rollout.engines.client"),
+    **dict.fromkeys(("EngineGroup", "EngineTarget"), "rollout.engines.group"),
+    "Router": "rollout.engines.router",
+    **dict.fromkeys(("MultiprocessingSerializer", "init_custom_process_group",
+                     "serialize_for_sglang"), "rollout.engines.weights_io"),
+})
 
 __all__ = ["EngineGroup", "EngineTarget", "EngineServer", "EngineClient", "EngineError",
            "UnsupportedEngineVersion", "PINNED_SGLANG_VERSION", "SUPPORTED_SGLANG_VERSIONS",
