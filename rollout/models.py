@@ -136,19 +136,77 @@ def smollm2_gguf_file() -> Path:
     return files[0]
 
 
+# llama.cpp's tensor names -> transformers' Llama parameter names.
+_GGUF_LLAMA_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def _llama_name(gguf_name: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        return f"model.layers.{layer}.{_GGUF_LLAMA_NAMES[part]}.{suffix}"
+    return f"{_GGUF_LLAMA_NAMES[base]}.{suffix}"
+
+
+def _unpermute_rotary_rows(w, heads: int):
+    """Undo llama.cpp's reordering of q/k rows (each head's rotary halves interleaved)."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def _convert_smollm2(out: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The GGUF file (Q8_0 and Q4_1 blocks, llama layout) as a float32 HF Llama checkpoint:
+    what ``from_pretrained(gguf_file=...)`` builds, bitwise, for a fifth of the CPU.
+    transformers runs llama through its legacy GGUF loader, which parses the whole file's
+    metadata three times and builds a tensor-name table per module (~20 CPU-s); here the
+    metadata is read once, and each tensor is dequantized by the same gguf function."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig, LlamaConfig
+    from transformers.integrations.gguf import GgufHeader, load_gguf_state_dict, read_gguf_metadata
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     gguf = smollm2_gguf_file()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # A GGUF-loaded model refuses save_pretrained; rebuild a plain model from its config.
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(loaded.state_dict())
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    meta, names = read_gguf_metadata(str(gguf))
+    if meta["general.architecture"] != "llama":
+        raise ModelPathError(f"{gguf}: a {meta['general.architecture']} model, not llama")
+    arch = "llama."
+    heads, kv_heads = meta[arch + "attention.head_count"], meta[arch + "attention.head_count_kv"]
+    ids = {k: meta[f"tokenizer.ggml.{g}_token_id"]
+           for k, g in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))}
+    config = LlamaConfig(
+        vocab_size=meta[arch + "vocab_size"], hidden_size=meta[arch + "embedding_length"],
+        intermediate_size=meta[arch + "feed_forward_length"],
+        num_hidden_layers=meta[arch + "block_count"], num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=meta[arch + "rope.dimension_count"],
+        max_position_embeddings=meta[arch + "context_length"],
+        rms_norm_eps=meta[arch + "attention.layer_norm_rms_epsilon"],
+        rope_parameters={"rope_theta": meta[arch + "rope.freq_base"], "rope_type": "default"},
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+        unk_token_id=ids["unk"], architectures=["LlamaForCausalLM"], dtype="float32")
+
+    header = GgufHeader.from_file(str(gguf))
+    raw = load_gguf_state_dict(header)
+    weights = {}
+    for info in header.tensors:
+        values = dequantize(raw[info.name].data, GGMLQuantizationType(info.ggml_type))
+        values = values.reshape(info.shape).astype(np.float32)
+        if ".attn_q." in info.name or ".attn_k." in info.name:
+            values = _unpermute_rotary_rows(values, heads if ".attn_q." in info.name else kv_heads)
+        weights[_llama_name(info.name)] = torch.from_numpy(np.ascontiguousarray(values))
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    TokenizersBackend.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
     (out / "homegym_model.json").write_text(json.dumps({"builtin": "smollm2-135m",
                                                         "source": str(gguf)}))

@@ -75,6 +75,10 @@ def test_directory_without_config_is_rejected(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_from_the_packaged_gguf():
+    """rollout.models converts the GGUF file itself (dequantized weights under transformers'
+    names, q/k rows back in transformers' rotary order, transformers' tokenizer converter):
+    the model answers a question right greedily (with q/k left in llama.cpp's order it
+    answers nothing)."""
     path = resolve_model_path("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
