@@ -15,7 +15,10 @@ from rollout.engines import (PINNED_SGLANG_VERSION, EngineError, EngineServer, H
                              MultiprocessingSerializer)
 from rollout.engines.weights_io import init_custom_process_group
 
-CTX = 256
+# The tiny model's whole context: the tests that pause, abort or update an engine while a
+# request decodes send one this long, ~1.3 ms a token on 2 cores, so that it is still
+# decoding when the call lands on a loaded machine (at 256 the margin was ~0.3 s).
+CTX = 1024
 
 
 @pytest.fixture(scope="module")
