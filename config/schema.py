@@ -18,7 +18,6 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Literal, Optional, get_args
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from config.derived import Derived, derive
@@ -686,6 +685,10 @@ class HomegymConfig:
 
 
 def register_schema() -> None:
+    # Imported here: only composing needs Hydra, and every rank and actor imports this module
+    # (~0.07 CPU-s each).
+    from hydra.core.config_store import ConfigStore
+
     schema = OmegaConf.structured(HomegymConfig)
     # The environment's keyword arguments are its own, not homegym's: any name may be set
     # (env.kwargs.min_terms=2) without Hydra's "+" for a key the schema does not know.
