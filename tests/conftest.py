@@ -492,19 +492,20 @@ class MainRun:
 
 
 def run_main(tmp_path, *overrides, timeout_s: float = 600, run_name: str = "run",
-             ray_address: str | None = None) -> MainRun:
+             ray_address: str | None = None, wandb_mode: str = "disabled") -> MainRun:
     """``python -m trainer.main`` in its own process group (killed whole when it ends or
     times out), with a clean environment and the run under ``tmp_path``; fails with the
     output's tail. ``ray_address`` (the ``ray_address`` fixture): the run joins the
     session's Ray instance (RAY_ADDRESS, as on a cluster) instead of starting its own,
     which saves a Ray start and stop; not for a run whose test kills its process group or
     checks what it leaves behind (its actors then live in the session's Ray, not under the
-    driver), nor for one that needs an environment the session's Ray workers lack."""
+    driver), nor for one that needs an environment the session's Ray workers lack.
+    ``wandb_mode``: ``offline`` for a test that checks what wandb keeps (~1 CPU-s more)."""
     import sys
 
     out_dir = Path(tmp_path) / "out"
     cmd = [sys.executable, "-m", "trainer.main", f"logging.output_dir={out_dir}",
-           f"logging.run_name={run_name}", "logging.wandb_mode=offline", *overrides]
+           f"logging.run_name={run_name}", f"logging.wandb_mode={wandb_mode}", *overrides]
     env = clean_env()
     if ray_address:
         env["RAY_ADDRESS"] = ray_address

@@ -139,7 +139,8 @@ def test_a_killed_run_resumes_the_same_run_which_learns_and_writes_its_run_dir(t
     assert last < 4, "the run finished before it was killed"
 
     # The first launch had a Ray of its own (killed with it); the resume joins the session's.
-    resumed = run_main(tmp_path, *SHORT, *overrides, run_name="killed", ray_address=ray_address)
+    resumed = run_main(tmp_path, *SHORT, *overrides, run_name="killed", ray_address=ray_address,
+                       wandb_mode="offline")
     assert f"at step {last}" in resumed.output
     assert (run / "wandb_id.txt").read_text() == wandb_id  # same wandb run, resumed
     rows = [r for r in resumed.metrics if "rollout/raw_reward" in r]  # both launches
