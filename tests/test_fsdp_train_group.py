@@ -195,33 +195,27 @@ def test_save_load_restores_params_and_optimizer(group2, tmp_path):
                                 str(tmp_path / "ckpt"))
 
 
-def test_shutdown_leaves_no_shared_memory_behind(ray_local, tiny_model_path):
+def test_shutdown_leaves_no_shared_memory_behind(group2):
     """Two ranks on one host gather weights through /dev/shm and stage pushes there; a rank
     killed while such a buffer is mapped leaves the file there for good (it is memory), so
-    shutdown frees both first."""
-    config = make_config(train={"ranks_per_node": 2})
-    placement = components.placement(config)
-    group = components.train_group(config, placement)
-    try:
-        pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in group.actors])
-        group.named_weight_buckets(200_000)
+    shutdown frees both first. (The module's group, shut down here: this test comes last.)"""
+    group = group2
+    pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in group.actors])
+    group.named_weight_buckets(200_000)
 
-        def stage(actor):  # what a push to the hf engines stages (trainer.weight_sync.push)
-            from trainer.weight_sync import push as weights
+    def stage(actor):  # what a push to the hf engines stages (trainer.weight_sync.push)
+        from trainer.weight_sync import push as weights
 
-            weights._STAGING.flatten(0, [("x", torch.ones(1000))])
-        ray.get([a.__ray_call__.remote(stage) for a in group.actors])
+        weights._STAGING.flatten(0, [("x", torch.ones(1000))])
+    ray.get([a.__ray_call__.remote(stage) for a in group.actors])
 
-        def files() -> list[str]:
-            return sorted(f for f in os.listdir("/dev/shm")
-                          if any(f.startswith(f"torch_{pid}_") for pid in pids))
+    def files() -> list[str]:
+        return sorted(f for f in os.listdir("/dev/shm")
+                      if any(f.startswith(f"torch_{pid}_") for pid in pids))
 
-        assert files(), "the weights were not gathered through shared memory"
-        group.shutdown()
-        deadline = time.monotonic() + 30
-        while files() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert files() == []
-    finally:
-        group.shutdown()
-        placement.shutdown()
+    assert files(), "the weights were not gathered through shared memory"
+    group.shutdown()
+    deadline = time.monotonic() + 30
+    while files() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert files() == []
