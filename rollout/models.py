@@ -179,21 +179,20 @@ def _convert_smollm2(out: Path) -> None:
     meta, names = read_gguf_metadata(str(gguf))
     if meta["general.architecture"] != "llama":
         raise ModelPathError(f"{gguf}: a {meta['general.architecture']} model, not llama")
-    arch = "llama."
-    heads, kv_heads = meta[arch + "attention.head_count"], meta[arch + "attention.head_count_kv"]
-    ids = {k: meta[f"tokenizer.ggml.{g}_token_id"]
-           for k, g in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))}
+    llama = {key.removeprefix("llama."): value for key, value in meta.items()}
+    token = {key: meta[f"tokenizer.ggml.{key}_token_id"]
+             for key in ("bos", "eos", "padding", "unknown")}
+    heads, kv_heads = llama["attention.head_count"], llama["attention.head_count_kv"]
     config = LlamaConfig(
-        vocab_size=meta[arch + "vocab_size"], hidden_size=meta[arch + "embedding_length"],
-        intermediate_size=meta[arch + "feed_forward_length"],
-        num_hidden_layers=meta[arch + "block_count"], num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=meta[arch + "rope.dimension_count"],
-        max_position_embeddings=meta[arch + "context_length"],
-        rms_norm_eps=meta[arch + "attention.layer_norm_rms_epsilon"],
-        rope_parameters={"rope_theta": meta[arch + "rope.freq_base"], "rope_type": "default"},
+        vocab_size=llama["vocab_size"], hidden_size=llama["embedding_length"],
+        intermediate_size=llama["feed_forward_length"], num_hidden_layers=llama["block_count"],
+        num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=llama["rope.dimension_count"], max_position_embeddings=llama["context_length"],
+        rms_norm_eps=llama["attention.layer_norm_rms_epsilon"],
+        rope_parameters={"rope_theta": llama["rope.freq_base"], "rope_type": "default"},
         tie_word_embeddings="output.weight" not in names,
-        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
-        unk_token_id=ids["unk"], architectures=["LlamaForCausalLM"], dtype="float32")
+        bos_token_id=token["bos"], eos_token_id=token["eos"], pad_token_id=token["padding"],
+        unk_token_id=token["unknown"], architectures=["LlamaForCausalLM"], dtype="float32")
 
     header = GgufHeader.from_file(str(gguf))
     raw = load_gguf_state_dict(header)
