@@ -9,8 +9,6 @@ from rollout.lazy_exports import lazy_exports
 # Loaded on first use: every engine server, engine actor and training rank imports a
 # submodule of this package, and the generate machinery behind these names (aiohttp among
 # it) would cost each of those processes ~0.3 CPU-s at start for nothing.
-__getattr__, __dir__ = lazy_exports(__name__, {
-    "GenerateState": "rollout.generate", "post": "rollout.http",
-    "Sample": "rollout.sample", "RolloutBatch": "rollout.sample"})
-
-__all__ = ["GenerateState", "post", "Sample", "RolloutBatch"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "rollout.generate": ("GenerateState",), "rollout.http": ("post",),
+    "rollout.sample": ("Sample", "RolloutBatch")})

@@ -8,9 +8,11 @@ import sys
 from typing import Any, Callable
 
 
-def lazy_exports(package: str, where: dict[str, str]
-                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """The ``__getattr__`` and ``__dir__`` of ``package``: name -> the module defining it."""
+def lazy_exports(package: str, names_by_module: dict[str, tuple[str, ...]]
+                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
+    """The ``__getattr__``, ``__dir__`` and ``__all__`` of ``package``, whose public names
+    are ``names_by_module``'s, each defined in the module it is listed under."""
+    where = {name: module for module, names in names_by_module.items() for name in names}
 
     def __getattr__(name: str) -> Any:
         if name not in where:
@@ -20,4 +22,4 @@ def lazy_exports(package: str, where: dict[str, str]
     def __dir__() -> list[str]:
         return sorted(set(vars(sys.modules[package])) | set(where))
 
-    return __getattr__, __dir__
+    return __getattr__, __dir__, list(where)

@@ -19,19 +19,13 @@ from rollout.lazy_exports import lazy_exports
 # Each name is loaded on first use. An engine server imports this package for its client's
 # constants alone; the actor, group and router modules (requests, Ray's helpers) and
 # weights_io (torch) would cost the processes that need none of them at start.
-__getattr__, __dir__ = lazy_exports(__name__, {
-    **dict.fromkeys(("EngineServer", "HFLaunch", "LaunchSpec", "SGLangLaunch", "free_port",
-                     "remote_actor_class", "launch_spec"), "rollout.engines.actor"),
-    **dict.fromkeys(("PINNED_SGLANG_VERSION", "SUPPORTED_SGLANG_VERSIONS", "EngineClient",
-                     "EngineError", "UnsupportedEngineVersion"), "rollout.engines.client"),
-    **dict.fromkeys(("EngineGroup", "EngineTarget"), "rollout.engines.group"),
-    "Router": "rollout.engines.router",
-    **dict.fromkeys(("MultiprocessingSerializer", "init_custom_process_group",
-                     "serialize_for_sglang"), "rollout.engines.weights_io"),
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "rollout.engines.actor": ("EngineServer", "HFLaunch", "LaunchSpec", "SGLangLaunch",
+                              "free_port", "remote_actor_class", "launch_spec"),
+    "rollout.engines.client": ("PINNED_SGLANG_VERSION", "SUPPORTED_SGLANG_VERSIONS",
+                               "EngineClient", "EngineError", "UnsupportedEngineVersion"),
+    "rollout.engines.group": ("EngineGroup", "EngineTarget"),
+    "rollout.engines.router": ("Router",),
+    "rollout.engines.weights_io": ("MultiprocessingSerializer", "init_custom_process_group",
+                                   "serialize_for_sglang"),
 })
-
-__all__ = ["EngineGroup", "EngineTarget", "EngineServer", "EngineClient", "EngineError",
-           "UnsupportedEngineVersion", "PINNED_SGLANG_VERSION", "SUPPORTED_SGLANG_VERSIONS",
-           "LaunchSpec", "HFLaunch", "SGLangLaunch", "Router", "free_port", "remote_actor_class",
-           "launch_spec", "MultiprocessingSerializer", "init_custom_process_group",
-           "serialize_for_sglang"]
