@@ -123,6 +123,19 @@ def test_an_engine_actor_process_does_not_import_torch():
     assert "torch" not in loaded
 
 
+@pytest.mark.subprocess
+def test_a_rank_or_engine_actor_loads_no_generate_machinery_and_no_hydra():
+    """Ranks and engine actors import submodules of rollout and config. The package names
+    (``from rollout import Sample``) load their modules on first use, and the schema imports
+    Hydra only to register itself for composing, so neither the generate machinery
+    (aiohttp) nor Hydra costs those processes anything at start."""
+    loaded = _loaded_after("import rollout.engines.actor, trainer.training.train_group, "
+                           "trainer.training.backends.fsdp")
+    assert {"rollout", "trainer", "config", "omegaconf"} <= loaded  # the real imports ran
+    assert not loaded & {"aiohttp", "hydra"}, loaded & {"aiohttp", "hydra"}
+    assert "aiohttp" in _loaded_after("from rollout import GenerateState")  # names still load
+
+
 # Below the driver: what runs in Ray actors or is built per component.
 BELOW_DRIVER = ("envs", "rollout", "trainer/training", "trainer/weight_sync")
 
