@@ -55,9 +55,15 @@ def _rank_child(rank: int, world: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def megatron_results(tmp_path_factory, tiny_qwen3_5_path):
+def inductor_cache(tmp_path_factory) -> Path:
+    """Where the ranks' torch.compile would put what it compiles (test_nothing_is_compiled)."""
+    return tmp_path_factory.mktemp("inductor") / "cache"
+
+
+@pytest.fixture(scope="module")
+def megatron_results(tmp_path_factory, tiny_qwen3_5_path, inductor_cache):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]),
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(inductor_cache))
     results = {}
     for tp in (1, 2):
         out = str(tmp_path_factory.mktemp(f"tp{tp}") / "res.pt")
@@ -92,3 +98,10 @@ def test_qwen3_5_log_probs_and_export_equal_transformers_at_tp_1_and_2(megatron_
         assert set(res["export"]) == set(state), tp
         for name, tensor in res["export"].items():
             assert torch.equal(tensor, state[name].detach()), (tp, name)
+
+
+def test_nothing_is_compiled_on_cpu(megatron_results, inductor_cache):
+    """megatron-core's jit_fuser is torch.compile (the output gate above): on CPU the
+    backend runs it eagerly, so no rank spends seconds in inductor and the C++ compiler."""
+    compiled = [p.name for p in inductor_cache.rglob("*") if p.is_file()]
+    assert compiled == [], compiled[:10]
