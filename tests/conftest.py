@@ -128,11 +128,8 @@ def ray_local():
     # address="local": always a fresh instance, never one already running on the machine.
     # Its workers inherit this process's environment (one thread, HOMEGYM_CACHE: set at the
     # top of this file); a runtime_env would start each of them through Ray's setup shim.
-    # No prestarted workers (as trainer.main's own instance): Ray's default starts two
-    # that sit idle through the session, each ~0.7 CPU-s a minute (docs/testing.md).
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True,
-             _temp_dir=tmp, _system_config={"enable_worker_prestart": False,
-                                            "prestart_worker_first_driver": False})
+             _temp_dir=tmp)
     yield ray
     ray.shutdown()
 

@@ -76,11 +76,7 @@ def _main():
     import ray
     from ray.cluster_utils import Cluster
 
-    # No prestarted workers: by default each node starts idle ones the probes never use
-    # (~18 CPU-s of this test's ~52).
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "num_gpus": 0,
-        "_system_config": {"enable_worker_prestart": False, "prestart_worker_first_driver": False}})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
     gpu_nodes = [cluster.add_node(num_cpus=4, num_gpus=4) for _ in range(3)]
     ray.init(address=cluster.address)
     cluster.wait_for_nodes()
