@@ -93,11 +93,10 @@ class MegatronBackend(StepLoop):
             from trainer.training.backends.megatron import cpu_shim
 
             cpu_shim.apply_if_needed()
-            # megatron-core's jit_fuser is torch.compile: on CPU, inductor compiles its
+            # megatron-core's jit_fuser is torch.compile: on CPU, inductor would compile its
             # elementwise helpers (Qwen3.5's attention output gate) with the C++ compiler,
-            # per process and per new shape, for no gain at these sizes. Eager on CPU: the
-            # Qwen3.5 Megatron test's ranks took 41 -> 28 CPU-s with the compile cache
-            # warm, 55 -> 30 with it empty, as on a fresh CI box (docs/testing.md).
+            # in every process and for every new shape, and buy nothing at these sizes
+            # (the cost is measured in docs/testing.md). CUDA keeps the compile.
             torch.compiler.set_stance("force_eager")
             self.device = torch.device("cpu")
         else:
