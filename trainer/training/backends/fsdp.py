@@ -381,11 +381,19 @@ class FSDPBackend(StepLoop):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         os.makedirs(path, exist_ok=True)
+        # get_state_dict gives an optimizer without state one by stepping it with zero
+        # gradients at lr 0 (torch's _init_optim_state): Adam's step count becomes 1, and
+        # the first real update would be 0.74x what it should (bias correction). Such an
+        # optimizer is saved as fresh and left fresh, here and in a run that loads it.
+        fresh = not self.optimizer.state
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
                                             options=self._state_dict_options())
         model_sd = self._model_state(model_sd)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
+        if fresh:
+            self.optimizer.state.clear()
         extra = {"optimizer_steps": self.optimizer_steps, "sft_steps": self.sft_steps,
+                 "optimizer_fresh": fresh,
                  "cpu_rng": torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
         torch.save(extra, os.path.join(path, f"rank{self.rank}.pt"))
@@ -404,6 +412,8 @@ class FSDPBackend(StepLoop):
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=options)
         extra = torch.load(os.path.join(path, f"rank{self.rank}.pt"), weights_only=False)
+        if extra.get("optimizer_fresh"):  # see save()
+            self.optimizer.state.clear()
         self.optimizer_steps, self.sft_steps = extra["optimizer_steps"], extra["sft_steps"]
         torch.set_rng_state(extra["cpu_rng"])
         if extra["cuda_rng"] is not None and self.device.type == "cuda":
