@@ -1,4 +1,4 @@
-"""The chaos soak, short (scripts/chaos_soak.py runs the long one), in both layouts: 8
+"""The chaos soak, short (scripts/chaos_soak.py runs the long one), in both layouts: 6-7
 steps with an engine server SIGKILLed while it generates and one SIGKILLed in the layout's
 weight phase (async: paused for a weight push; colocated: its memory released for
 training). The async run also has its training rank SIGKILLed (crash, then resume) and one
@@ -15,6 +15,15 @@ import random
 import pytest
 
 from conftest import chaos_module, read_jsonl
+
+
+# The fewest steps that fit each schedule: engine faults only after a step has been logged,
+# away from the step of (and before) the crash and the stop, and two steps before the end
+# so that the run outlives their recovery (schedule()). Async: engine kills after steps 1
+# and 2, the crash in step 5 (resumed from step 4's checkpoint), the stop in step 6, a
+# third launch for step 7. Colocated: two of steps 1-3 drawn for the engine kills.
+SHORT = {"async": dict(steps=7, kill_rank_at=4, sigterm_at=5),
+         "colocated": dict(steps=6, kill_rank_at=None, sigterm_at=None)}
 
 
 @pytest.mark.parametrize("mode", ["async", "colocated"])
@@ -35,15 +44,26 @@ def test_the_schedule_kills_engines_in_both_phases_away_from_the_crash_and_the_s
                    and 1 <= f.after < steps - 2 for f in engine)
 
 
+@pytest.mark.parametrize("mode", ["async", "colocated"])
+def test_the_short_soaks_schedule_every_fault(mode):
+    """The short soaks' step counts leave room for both engine kills, whatever the draw."""
+    chaos = chaos_module()
+    short = SHORT[mode]
+    for seed in range(20):
+        faults = chaos.schedule(mode, engine_kills=2, rng=random.Random(seed), **short)
+        assert sorted(f.phase for f in faults if f.kind == "engine") == sorted(
+            ["generation", chaos.WEIGHT_PHASE[mode]])
+        assert len(faults) == (4 if short["kill_rank_at"] else 2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["async", "colocated"])
 def test_short_chaos_soak_lands_every_fault_and_trains_every_group_exactly_once(tmp_path, mode):
     chaos = chaos_module()
     crash_and_stop = mode == "async"
-    figures = chaos.soak(tmp_path, mode, steps=8, engine_kills=2,
-                         kill_rank_at=4 if crash_and_stop else None,
-                         sigterm_at=6 if crash_and_stop else None,
-                         reference=False, seed=1, timeout_s=600)
+    steps = SHORT[mode]["steps"]
+    figures = chaos.soak(tmp_path, mode, engine_kills=2, **SHORT[mode], reference=False,
+                         seed=1, timeout_s=600)
     print(figures.report())
     assert figures.engine_kills == {"generation": 1, chaos.WEIGHT_PHASE[mode]: 1}
     if crash_and_stop:
@@ -54,10 +74,10 @@ def test_short_chaos_soak_lands_every_fault_and_trains_every_group_exactly_once(
         assert figures.faults == 2 and figures.launches == 1
     assert figures.engine_restarts == 2  # each killed engine, once
     assert figures.ledger["ledger/trained_twice"] == 0
-    # 8 steps x 2 groups, each trained once in the final lineage, none left on the way.
-    assert figures.ledger["ledger/trained"] == 16
+    # 2 groups a step, each trained once in the final lineage, none left on the way.
+    assert figures.ledger["ledger/trained"] == 2 * steps
     assert sum(figures.ledger[f"ledger/{s}"]
                for s in ("pending", "in_flight", "buffered", "generated")) == 0
     run_dir = tmp_path / f"{mode}-chaos"
-    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "perf/train_time" in r]
-    assert max(steps) == 8 and set(steps) == set(range(1, 9))
+    logged = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "perf/train_time" in r]
+    assert max(logged) == steps and set(logged) == set(range(1, steps + 1))

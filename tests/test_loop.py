@@ -111,14 +111,16 @@ def expected_data_order(config, num_steps):
 def test_a_killed_run_resumes_the_same_run_which_learns_and_writes_its_run_dir(tmp_path,
                                                                               tiny_model_path,
                                                                               ray_address):
-    """A short run (warm-up, evaluation before and after, a checkpoint per step) is killed
-    whole (SIGKILL to its process group) once its second checkpoint is complete, then
+    """A short run (warm-up, evaluation before and after, a checkpoint every second step)
+    is killed whole (SIGKILL to its process group) once step 2's checkpoint is complete, then
     started again with the same command: it resumes the same run (same wandb run, the data
     order continued exactly) and the run as a whole learned something and left a complete
     run directory (checkpoints, evaluation table, curves, config, offline wandb)."""
     out = tmp_path / "out"
     # eval.interval=4: the last step's evaluation is the trained one, not a repeat of it.
-    overrides = ["train.num_steps=4", "train.save_interval=1", "eval.interval=4"]
+    # One engine: nothing here depends on how many there are.
+    overrides = ["train.num_steps=4", "train.save_interval=2", "eval.interval=4",
+                 "rollout.num_engines=1"]
     run = out / "killed"
     proc = subprocess.Popen(main_cmd(*overrides, "logging.run_name=killed", f"logging.output_dir={out}",
                                      "logging.wandb_mode=offline"),
@@ -127,8 +129,8 @@ def test_a_killed_run_resumes_the_same_run_which_learns_and_writes_its_run_dir(t
     deadline = time.time() + 600
     try:
         while not (run / "checkpoints" / "step_000002" / "COMPLETE").exists():
-            assert proc.poll() is None, "run ended before its second checkpoint"
-            assert time.time() < deadline, "no second checkpoint within 10 minutes"
+            assert proc.poll() is None, "run ended before step 2's checkpoint"
+            assert time.time() < deadline, "no checkpoint of step 2 within 10 minutes"
             time.sleep(0.5)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started
@@ -172,12 +174,12 @@ def test_a_killed_run_resumes_the_same_run_which_learns_and_writes_its_run_dir(t
     assert (" | gap " in resumed.output) == resumed_trained
     ckpts = run / "checkpoints"
     exported = {s: load_file(str(ckpts / f"step_{s:06d}" / "hf" / "model.safetensors"))
-                for s in (1, 4)}
+                for s in (2, 4)}
     base = load_file(os.path.join(tiny_model_path, "model.safetensors"))
     assert set(exported[4]) <= set(base)
     # The RL updates themselves moved the policy, not only the warm-up's SFT before them:
-    # the export after step 4 differs from the one after step 1 (both past the warm-up).
-    assert any(not torch.equal(exported[4][k], exported[1][k]) for k in exported[4])
+    # the export after step 4 differs from the one after step 2 (both past the warm-up).
+    assert any(not torch.equal(exported[4][k], exported[2][k]) for k in exported[4])
     assert (ckpts / "latest").resolve().name == "step_000004"
     # The evaluations before (first launch, kept in its checkpoints) and after (second).
     table = (run / "eval_table.md").read_text()
