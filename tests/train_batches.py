@@ -132,3 +132,31 @@ def assert_save_load_round_trip(group, batch, ckpt_dir: str) -> None:
     group.train_step(batch)
     for name, tensor in exported_params(group).items():
         assert torch.equal(after_first[name], tensor), name
+
+
+def assert_a_fresh_checkpoint_leaves_adams_first_update_whole(group, batch, ckpt_dir: str) -> None:
+    """Saved before any optimizer step, the optimizer stays fresh, and so does a group that
+    loads that checkpoint: Adam's first update moves an element by lr * |g| / (|g| + eps),
+    i.e. ~lr, where an optimizer given a zero-gradient step first (its step count 1, as
+    torch's ``get_state_dict`` does to a stateless one) moves it ~0.74 lr (bias
+    correction). ``group`` must not have stepped; ``batch`` must fit one optimizer step."""
+    import torch
+
+    def first_update() -> tuple[dict, float]:
+        before = exported_params(group)
+        metrics = group.train_step(batch)
+        assert metrics["train/optimizer_steps"] == 1
+        after = exported_params(group)
+        steps = torch.cat([(after[n] - before[n]).abs().flatten() for n in before])
+        # The median over elements that moved: ~lr, except where the gradient is ~0 (a
+        # padding row of the embedding, say).
+        return after, float(steps[steps > 0].median()) / metrics["train/lr"]
+
+    group.save(ckpt_dir)
+    stepped, ratio = first_update()
+    assert ratio > 0.95, ratio
+    group.load(ckpt_dir)
+    again, ratio = first_update()
+    assert ratio > 0.95, ratio
+    for name in stepped:
+        torch.testing.assert_close(again[name], stepped[name], atol=0, rtol=0, msg=name)
