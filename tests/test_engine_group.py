@@ -91,3 +91,20 @@ def test_dead_engine_traffic_moves_then_restart_add_remove(group, tiny_model_pat
     group.remove_engine(idx)
     assert set(group.router.healthy_urls()) == set(group.urls)
     gen(group.router_url)
+
+
+def test_shutdown_removes_only_the_log_directory_the_group_made(tiny_model_path, tmp_path):
+    """Without a log_dir (the eval CLI, serving) the engines log to a temporary directory,
+    gone after shutdown; a directory the caller gave (a run's logs/engines) stays."""
+    config = HomegymConfig(rollout=RolloutConfig(num_engines=1))
+    made = components.engine_group(config, model_path=tiny_model_path, start=False)
+    given = components.engine_group(config, model_path=tiny_model_path,
+                                    log_dir=str(tmp_path / "logs"), start=False)
+    for group in (made, given):
+        os.makedirs(os.path.join(group.log_dir, "router"), exist_ok=True)
+        with open(os.path.join(group.log_dir, "engine0.log"), "w") as f:
+            f.write("serving\n")
+        group.shutdown()
+    assert os.path.basename(made.log_dir).startswith("hg-engines-")
+    assert not os.path.exists(made.log_dir)
+    assert sorted(os.listdir(given.log_dir)) == ["engine0.log", "router"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -120,6 +121,9 @@ class EngineGroup(_FanOut):
             raise ValueError(f"placement has {len(placement)} entries for {self.num_engines} engines")
         self.placement = list(placement) if placement is not None else None
         self.model_path = model_path or resolve_model_path(model.path, model.cache_dir)
+        # Without a log_dir the logs go to a temporary directory, removed by shutdown(); a
+        # group that fails to start keeps it (its error names the log and quotes its tail).
+        self._temporary_log_dir = log_dir is None
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="hg-engines-")
         self.engines: list[Any] = []  # Ray actor handles, engine order
         self.urls: list[str] = []
@@ -213,13 +217,16 @@ class EngineGroup(_FanOut):
 
         if self.router is not None:
             self.router.shutdown()
-        try:
-            ray.get([e.shutdown.remote() for e in self.engines], timeout=30)
-        except Exception:  # engines already gone: killing the actors is enough
-            pass
-        for e in self.engines:
-            ray.kill(e)
+        if self.engines:  # (ray.get would start a Ray instance where none is running)
+            try:
+                ray.get([e.shutdown.remote() for e in self.engines], timeout=30)
+            except Exception:  # engines already gone: killing the actors is enough
+                pass
+            for e in self.engines:
+                ray.kill(e)
         self.engines, self.urls, self.names, self.clients = [], [], [], []
+        if self._temporary_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def add_engine(self, placement: Any = None) -> int:
         """Start one more engine and register it with the router; returns its index."""
