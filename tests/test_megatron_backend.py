@@ -53,11 +53,38 @@ def hf_logps(tiny_model_path, batch):
     return _hf_log_probs(tiny_model_path, batch)
 
 
+PARALLEL_ALGO = {"loss_agg": "seq_mean_token_mean", "entropy_coef": 0.01}
+PARALLEL_TRAIN = {"max_tokens_per_micro_batch": 128, "global_batch_size": 4}
+
+
+def _step_results(group, batch):
+    """Log-probs, the export, one train step's metrics and the export after it."""
+    lps = group.log_probs(batch)
+    exported = exported_params(group)
+    metrics = group.train_step(batch)
+    return lps, exported, metrics, exported_params(group)
+
+
 @pytest.fixture(scope="module")
-def tp1(ray_local, tiny_model_path):
-    group = components.train_group(_config(max_tokens_per_micro_batch=128))
-    yield group
-    group.shutdown()
+def single_rank_group(ray_local, tiny_model_path, batch, tmp_path_factory):
+    """The module's one-rank group and, taken before any test touches it, the single-rank
+    reference for the parallel layouts (``_step_results``). The step is then undone by
+    loading a checkpoint saved before it (weights, counters, RNG, a fresh optimizer:
+    test_megatron_checkpoint), so the tests get the group as built."""
+    group = components.train_group(_config(algo=PARALLEL_ALGO, **PARALLEL_TRAIN))
+    built = str(tmp_path_factory.mktemp("megatron-built"))
+    try:
+        group.save(built)
+        reference = _step_results(group, batch)
+        group.load(built)
+        yield group, reference
+    finally:
+        group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp1(single_rank_group):
+    return single_rank_group[0]
 
 
 def test_log_probs_equal_hf(tp1, batch, hf_logps):
@@ -95,27 +122,19 @@ STEP_ATOL = {"train/pg_loss": 7e-6, "train/ppo_kl": 3e-6, "train/entropy": 2.5e-
 UPDATE_RTOL = 5e-3
 
 
-PARALLEL_ALGO = {"loss_agg": "seq_mean_token_mean", "entropy_coef": 0.01}
-PARALLEL_TRAIN = {"max_tokens_per_micro_batch": 128, "global_batch_size": 4}
-
-
-def _step_results(batch, tp, pp, ranks):
-    """Log-probs, the export, one train step's metrics and the export after it."""
+def _parallel_results(batch, tp, pp, ranks):
     group = components.train_group(_config(tp, pp, ranks=ranks, algo=PARALLEL_ALGO,
                                            **PARALLEL_TRAIN))
     try:
-        lps = group.log_probs(batch)
-        exported = exported_params(group)
-        metrics = group.train_step(batch)
-        return lps, exported, metrics, exported_params(group)
+        return _step_results(group, batch)
     finally:
         group.shutdown()
 
 
 @pytest.fixture(scope="module")
-def single_rank(ray_local, tiny_model_path, batch):
+def single_rank(single_rank_group):
     """The single-rank reference, once for the three layouts below."""
-    return _step_results(batch, 1, 1, 1)
+    return single_rank_group[1]
 
 
 @pytest.mark.parametrize("tp,pp,ranks", [(2, 1, 2), (1, 2, 2), (1, 1, 2)],
@@ -123,7 +142,7 @@ def single_rank(ray_local, tiny_model_path, batch):
 def test_model_parallel_equals_single_rank(single_rank, batch, hf_logps, tp, pp, ranks):
     """TP=2, PP=2 and DP=2 (two Ray actors each) give one rank's log-probs, export and
     train step (two optimizer steps, several micro-batches)."""
-    (l1, e1, m1, p1), (l2, e2, m2, p2) = single_rank, _step_results(batch, tp, pp, ranks)
+    (l1, e1, m1, p1), (l2, e2, m2, p2) = single_rank, _parallel_results(batch, tp, pp, ranks)
     for a, b, h in zip(l1, l2, hf_logps):
         torch.testing.assert_close(b, a, atol=LOGP_ATOL, rtol=0)
         torch.testing.assert_close(b, h, atol=LOGP_ATOL, rtol=0)
