@@ -115,21 +115,40 @@ def test_two_ranks_equal_one_rank(ray_local, tiny_model_path, algo):
         torch.testing.assert_close(p1[name], p2[name], atol=0.05 * train["lr"], rtol=0, msg=name)
 
 
-def test_shared_prefixes_equal_per_sample_rows(ray_local, tiny_model_path):
+@pytest.fixture(scope="module")
+def one_rank(ray_local, tiny_model_path, tmp_path_factory):
+    """``one_rank(share_prompts)``: a one-rank group (lr 1e-3, an entropy bonus) per setting,
+    saved as built; each call hands it back as built, by loading that checkpoint (the
+    optimizer fresh again: the checkpoint test below)."""
+    groups = {}
+    for share in (False, True):
+        group = components.train_group(make_config(train={"share_prompts": share, "lr": 1e-3},
+                                                   algo={"entropy_coef": 0.01}))
+        built = str(tmp_path_factory.mktemp(f"built-share-{share}"))
+        group.save(built)
+        groups[share] = group, built
+
+    def get(share: bool) -> TrainGroup:
+        group, built = groups[share]
+        group.load(built)
+        return group
+
+    yield get
+    for group, _ in groups.values():
+        group.shutdown()
+
+
+def test_shared_prefixes_equal_per_sample_rows(one_rank):
     """train.share_prompts (a group's common prefix -- prompt and shared first tokens --
     runs once, its KV expanded to the packed suffixes) computes what one sample per row
     does: log-probs, metrics, the update."""
     batch = make_batch(num_groups=3, group_size=4, prompt_len=(8, 20), seed=6, common_start=5)
     results = {}
     for share in (False, True):
-        group = components.train_group(make_config(train={"share_prompts": share, "lr": 1e-3},
-                                       algo={"entropy_coef": 0.01}))
-        try:
-            log_probs = group.log_probs(batch)
-            metrics = group.train_step(batch)
-            results[share] = (log_probs, metrics, exported_params(group))
-        finally:
-            group.shutdown()
+        group = one_rank(share)
+        log_probs = group.log_probs(batch)
+        metrics = group.train_step(batch)
+        results[share] = (log_probs, metrics, exported_params(group))
     (lp0, m0, p0), (lp1, m1, p1) = results[False], results[True]
     for a, b in zip(lp0, lp1):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
@@ -177,17 +196,11 @@ def test_zero_advantage_samples_are_skipped_without_changing_the_update(ray_loca
     assert m1["train/grad_norm"] > 0  # the other two groups still trained
 
 
-def test_a_checkpoint_before_the_first_step_leaves_adams_first_update_whole(ray_local,
-                                                                             tiny_model_path,
-                                                                             tmp_path):
+def test_a_checkpoint_before_the_first_step_leaves_adams_first_update_whole(one_rank, tmp_path):
     """torch's get_state_dict, which saving calls, initialises a stateless optimizer with a
     zero-gradient step: saved fresh, the optimizer must stay fresh (train_batches)."""
-    group = components.train_group(make_config(train={"lr": 1e-3}))
-    try:
-        assert_a_fresh_checkpoint_leaves_adams_first_update_whole(
-            group, make_batch(num_groups=4, group_size=4, seed=5), str(tmp_path / "fresh"))
-    finally:
-        group.shutdown()
+    assert_a_fresh_checkpoint_leaves_adams_first_update_whole(
+        one_rank(True), make_batch(num_groups=4, group_size=4, seed=5), str(tmp_path / "fresh"))
 
 
 def test_train_step_improves_objective_and_sft_lowers_nll(group2):
