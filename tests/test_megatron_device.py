@@ -196,9 +196,11 @@ def _export(b) -> dict:
     return {n: t for bucket in b.named_weight_buckets(1 << 20) for n, t in bucket}
 
 
-def _offload_child(dtype: str, offload: bool, kl: float, out: str, device: str = "cpu") -> None:
-    """Child: one rank (world 1: gloo on CPU, NCCL on CUDA) trains a step, [offloads,
-    checks, onloads], trains another step; saves metrics and exported weights to ``out``."""
+def _offload_child(dtype: str, kl: float, out: str, device: str = "cpu") -> None:
+    """Child: one rank (world 1: gloo on CPU, NCCL on CUDA) trains a step and saves it;
+    trains a second step as the reference (nothing offloaded yet) and loads the first step's
+    checkpoint back; offloads, checks, onloads, and trains the second step again. Saves both
+    second steps' metrics and exported weights to ``out``."""
     import torch.distributed as dist
 
     from train_batches import make_batch, make_config
@@ -217,47 +219,50 @@ def _offload_child(dtype: str, offload: bool, kl: float, out: str, device: str =
     b.init(rank=0, world_size=1, **components.backend_args(config))
     batch = make_batch(num_groups=2, group_size=4, seed=3)
     result = {"m1": b.train_step(batch), "param_dtype": str(next(b.gpt.parameters()).dtype)}
-    if offload:
-        before = _export(b)
-        held = _held(b)
-        keys = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for _, t in held}
-        b.save(out + ".ckpt_on")
-        allocated = torch.cuda.memory_allocated() if cuda else 0
-        b.offload()
-        assert b.offloader.offloaded
-        not_freed = [label for label, t in held if t.untyped_storage().nbytes()]
-        assert not not_freed, f"still holding device memory: {not_freed[:10]}"
-        assert b.last_offload["offloaded_bytes"] >= sum(keys.values())
-        if cuda:  # measured by the allocator (device memory actually given back)
-            freed = allocated - torch.cuda.memory_allocated()
-            assert freed >= 0.95 * sum(keys.values()), (freed, sum(keys.values()))
-            result["cuda_freed"] = freed
-        # Nothing else in the process holds memory besides the host copies (a few RNG
-        # states and class-level scalars of megatron-core aside).
-        host = {e[2].untyped_storage()._cdata for e in b.offloader._entries.values()
-                if e[2] is not None}
-        host |= {t.untyped_storage()._cdata for t in before.values()}  # this test's copies
-        left = {}
-        for o in gc.get_objects():
-            if isinstance(o, torch.Tensor) and o.device.type == device:
-                st = o.untyped_storage()
-                if st.nbytes() and st._cdata not in host:
-                    left[st._cdata] = (tuple(o.shape), str(o.dtype), st.nbytes())
-        assert sum(n for *_, n in left.values()) < 64 << 10, sorted(left.values())[-10:]
-        # Export and save read the host copies while offloaded; load keeps it offloaded.
-        assert all(torch.equal(t, before[n]) for n, t in _export(b).items())
-        b.save(out + ".ckpt_off")
-        b.load(out + ".ckpt_on")  # onloads, loads, offloads again
-        assert b.offloader.offloaded
-        not_freed = [label for label, t in _held(b) if t.untyped_storage().nbytes()]
-        assert not not_freed, f"still holding device memory after load: {not_freed[:10]}"
-        b.onload()
-        assert not b.offloader.offloaded
-        assert all(t.untyped_storage().nbytes() == keys[t.untyped_storage()._cdata]
-                   for _, t in held)
-        assert all(torch.equal(t, before[n]) for n, t in _export(b).items())
-        result["offloaded_bytes"] = b.last_offload["offloaded_bytes"]
-        result["held_bytes"] = sum(keys.values())
+    b.save(out + ".ckpt_on")
+    result["ref_m2"] = b.train_step(batch)
+    result["ref_export"] = _export(b)
+    b.load(out + ".ckpt_on")
+    before = _export(b)
+    held = _held(b)
+    keys = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for _, t in held}
+    allocated = torch.cuda.memory_allocated() if cuda else 0
+    b.offload()
+    assert b.offloader.offloaded
+    not_freed = [label for label, t in held if t.untyped_storage().nbytes()]
+    assert not not_freed, f"still holding device memory: {not_freed[:10]}"
+    assert b.last_offload["offloaded_bytes"] >= sum(keys.values())
+    if cuda:  # measured by the allocator (device memory actually given back)
+        freed = allocated - torch.cuda.memory_allocated()
+        assert freed >= 0.95 * sum(keys.values()), (freed, sum(keys.values()))
+        result["cuda_freed"] = freed
+    # Nothing else in the process holds memory besides the host copies (a few RNG
+    # states and class-level scalars of megatron-core aside).
+    host = {e[2].untyped_storage()._cdata for e in b.offloader._entries.values()
+            if e[2] is not None}
+    host |= {t.untyped_storage()._cdata  # this test's copies
+             for t in (*before.values(), *result["ref_export"].values())}
+    left = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.device.type == device:
+            st = o.untyped_storage()
+            if st.nbytes() and st._cdata not in host:
+                left[st._cdata] = (tuple(o.shape), str(o.dtype), st.nbytes())
+    assert sum(n for *_, n in left.values()) < 64 << 10, sorted(left.values())[-10:]
+    # Export and save read the host copies while offloaded; load keeps it offloaded.
+    assert all(torch.equal(t, before[n]) for n, t in _export(b).items())
+    b.save(out + ".ckpt_off")
+    b.load(out + ".ckpt_on")  # onloads, loads, offloads again
+    assert b.offloader.offloaded
+    not_freed = [label for label, t in _held(b) if t.untyped_storage().nbytes()]
+    assert not not_freed, f"still holding device memory after load: {not_freed[:10]}"
+    b.onload()
+    assert not b.offloader.offloaded
+    assert all(t.untyped_storage().nbytes() == keys[t.untyped_storage()._cdata]
+               for _, t in held)
+    assert all(torch.equal(t, before[n]) for n, t in _export(b).items())
+    result["offloaded_bytes"] = b.last_offload["offloaded_bytes"]
+    result["held_bytes"] = sum(keys.values())
     result["m2"] = b.train_step(batch)
     result["export"] = _export(b)
     torch.save(result, out)
@@ -269,20 +274,20 @@ _KL = {"float32": 0.0, "bfloat16": 0.01}  # bf16 runs also hold a frozen referen
 
 @pytest.fixture(scope="module")
 def child_result(tmp_path_factory):
-    """(dtype, offload) -> the result of one ``_offload_child`` run (each run once)."""
+    """(dtype, device) -> the result of one ``_offload_child`` run (each run once)."""
     pytest.importorskip("megatron.core")
     tmp = tmp_path_factory.mktemp("megatron-offload")
     cache: dict = {}
 
-    def get(dtype: str, offload: bool, device: str = "cpu") -> dict:
-        if (dtype, offload, device) not in cache:
-            out = str(tmp / f"{device}-{dtype}-{offload}.pt")
+    def get(dtype: str, device: str = "cpu") -> dict:
+        if (dtype, device) not in cache:
+            out = str(tmp / f"{device}-{dtype}.pt")
             code = ("import test_megatron_device as t; t._offload_child("
-                    f"{dtype!r}, {offload!r}, {_KL[dtype]!r}, {out!r}, {device!r})")
+                    f"{dtype!r}, {_KL[dtype]!r}, {out!r}, {device!r})")
             proc = _run(["-c", code])
             assert proc.returncode == 0, proc.stderr[-6000:]
-            cache[dtype, offload, device] = dict(torch.load(out, weights_only=False), path=out)
-        return cache[dtype, offload, device]
+            cache[dtype, device] = dict(torch.load(out, weights_only=False), path=out)
+        return cache[dtype, device]
     return get
 
 
@@ -305,18 +310,17 @@ def test_offload_frees_everything_and_onload_restores_it(child_result, dtype):
     """fp32: the distributed optimizer's main params are views into DDP's param buffer;
     bf16: separate fp32 main params, plus a frozen reference model (kl_coef > 0). The
     child asserts that every held tensor's storage is freed and comes back; here: the
-    steps after onload equal a run without offload, and so do checkpoints saved while
-    offloaded."""
-    with_offload, without = child_result(dtype, True), child_result(dtype, False)
-    assert with_offload["offloaded_bytes"] >= with_offload["held_bytes"] > 0
-    _assert_same_checkpoint(with_offload["path"] + ".ckpt_on", with_offload["path"] + ".ckpt_off")
-    for step in ("m1", "m2"):
-        a, b = with_offload[step], without[step]
-        assert {k: v for k, v in a.items() if not k.startswith("perf/")} == \
-            {k: v for k, v in b.items() if not k.startswith("perf/")}, step
-    assert with_offload["export"].keys() == without["export"].keys()
-    for name, t in with_offload["export"].items():
-        assert torch.equal(t, without["export"][name]), name
+    step after onload equals the same step taken before anything was offloaded, and a
+    checkpoint saved while offloaded equals the one saved before."""
+    result = child_result(dtype)
+    assert result["offloaded_bytes"] >= result["held_bytes"] > 0
+    _assert_same_checkpoint(result["path"] + ".ckpt_on", result["path"] + ".ckpt_off")
+    a, b = result["m2"], result["ref_m2"]
+    assert {k: v for k, v in a.items() if not k.startswith("perf/")} == \
+        {k: v for k, v in b.items() if not k.startswith("perf/")}
+    assert result["export"].keys() == result["ref_export"].keys()
+    for name, t in result["export"].items():
+        assert torch.equal(t, result["ref_export"][name]), name
 
 
 @pytest.mark.slow
@@ -324,17 +328,17 @@ def test_offload_frees_everything_and_onload_restores_it(child_result, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_offload_on_cuda_gives_the_memory_back(child_result, dtype):
     """The same checks on a GPU (NCCL, pinned host copies): torch.cuda.memory_allocated
-    drops by at least the bytes of everything held, and the run continues as without
-    offload (up to the GPU kernels' run-to-run differences)."""
-    with_offload, without = child_result(dtype, True, "cuda"), child_result(dtype, False, "cuda")
-    assert with_offload["cuda_freed"] >= 0.95 * with_offload["held_bytes"] > 0
-    assert with_offload["export"].keys() == without["export"].keys()
+    drops by at least the bytes of everything held, and the step after onload equals the
+    one taken before offloading (up to the GPU kernels' run-to-run differences)."""
+    result = child_result(dtype, "cuda")
+    assert result["cuda_freed"] >= 0.95 * result["held_bytes"] > 0
+    assert result["export"].keys() == result["ref_export"].keys()
     tol = dict(atol=1e-5, rtol=0) if dtype == "float32" else dict(atol=2e-2, rtol=0)
-    for name, t in with_offload["export"].items():
+    for name, t in result["export"].items():
         assert t.dtype == getattr(torch, dtype), name
-        torch.testing.assert_close(t.float(), without["export"][name].float(), **tol, msg=name)
-    assert with_offload["m2"]["train/pg_loss"] == pytest.approx(
-        without["m2"]["train/pg_loss"], rel=1e-3, abs=1e-5)
+        torch.testing.assert_close(t.float(), result["ref_export"][name].float(), **tol, msg=name)
+    assert result["m2"]["train/pg_loss"] == pytest.approx(
+        result["ref_m2"]["train/pg_loss"], rel=1e-3, abs=1e-5)
 
 
 # ------------------------------------------------------------------ export dtype
@@ -343,7 +347,7 @@ def test_offload_on_cuda_gives_the_memory_back(child_result, dtype):
 def test_export_names_shapes_and_training_dtype(child_result, tiny_model_path, dtype):
     from safetensors.torch import load_file
 
-    res = child_result(dtype, False)
+    res = child_result(dtype)
     assert res["param_dtype"] == f"torch.{dtype}"
     reference = load_file(os.path.join(tiny_model_path, "model.safetensors"))
     exported = res["export"]
