@@ -22,29 +22,41 @@ from rollout.engines import weights_io as wio
 
 WEIGHTS_IO = Path(wio.__file__).resolve()
 
-# The receiver: loads weights_io by path (nothing else of homegym), reads one payload from
-# stdin, compares it with the reference tensors saved by the parent.
+# The receiver: loads weights_io by path (nothing else of homegym); for each line on stdin
+# (a JSON request: the payload, its format, the reader, the reference tensors' file) it
+# reads the payload, compares it with the reference tensors saved by the parent, and prints
+# a JSON report. One process serves the module's tests (one `import torch`, not one each).
 CHILD = r"""
 import importlib.util, json, sys, torch
 spec = importlib.util.spec_from_file_location("hg_weights_io", sys.argv[1])
 wio = importlib.util.module_from_spec(spec); spec.loader.exec_module(wio)
-fmt = None if sys.argv[3] == "none" else sys.argv[3]
-reader = sys.argv[4]
-payload = sys.stdin.read()
-if reader == "plain":  # what the hf engine does today (MultiprocessingSerializer)
-    got = wio.MultiprocessingSerializer.deserialize(payload)
-else:
-    got = wio.deserialize_named_tensors(payload, fmt)
-ref = torch.load(sys.argv[2])
-report = {"names": [n for n, _ in got], "bad": []}
-for name, tensor in got:
-    want = ref[name]
-    if (tensor.dtype != want.dtype or tuple(tensor.shape) != tuple(want.shape)
-            or not torch.equal(tensor.cpu(), want)):
-        report["bad"].append(name)
-    report.setdefault("devices", []).append(str(tensor.device))
-print(json.dumps(report))
+for line in sys.stdin:
+    req = json.loads(line)
+    if req["reader"] == "plain":  # what the hf engine does today (MultiprocessingSerializer)
+        got = wio.MultiprocessingSerializer.deserialize(req["payload"])
+    else:
+        got = wio.deserialize_named_tensors(req["payload"], req["fmt"])
+    ref = torch.load(req["ref"])
+    report = {"names": [n for n, _ in got], "bad": [], "devices": []}
+    for name, tensor in got:
+        want = ref[name]
+        if (tensor.dtype != want.dtype or tuple(tensor.shape) != tuple(want.shape)
+                or not torch.equal(tensor.cpu(), want)):
+            report["bad"].append(name)
+        report["devices"].append(str(tensor.device))
+    del got
+    print(json.dumps(report), flush=True)
 """
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(WEIGHTS_IO)], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    yield proc
+    proc.stdin.close()
+    proc.wait(timeout=60)
 
 
 def _named(device="cpu"):
@@ -63,38 +75,39 @@ def _named(device="cpu"):
     return [(n, t.to(device)) for n, t in tensors]
 
 
-def _child(tmp_path, named, payload, fmt, reader="homegym"):
-    ref = tmp_path / "ref.pt"
-    torch.save({n: t.detach().cpu().contiguous() for n, t in named}, ref)
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(WEIGHTS_IO), str(ref), fmt or "none", reader],
-        input=payload, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def _child(receiver, tmp_path, named, payload, fmt, reader="homegym"):
+    """The receiver's report on ``payload``, checked against ``named``."""
     import json
 
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    ref = tmp_path / "ref.pt"
+    torch.save({n: t.detach().cpu().contiguous() for n, t in named}, ref)
+    receiver.stdin.write(json.dumps({"payload": payload, "fmt": fmt, "reader": reader,
+                                     "ref": str(ref)}) + "\n")
+    receiver.stdin.flush()
+    line = receiver.stdout.readline()
+    assert line, f"the receiver exited {receiver.poll()} (its traceback is above)"
+    return json.loads(line)
 
 
 @pytest.mark.parametrize("flattened", [False, True])
 @pytest.mark.subprocess
-def test_second_process_reads_cpu_payload(tmp_path, flattened):
+def test_second_process_reads_cpu_payload(receiver, tmp_path, flattened):
     named = _named()
     payloads, fmt = wio.serialize_for_sglang(named, tp_size=2, flattened=flattened)
     assert len(payloads) == 2 and all(isinstance(p, str) for p in payloads)
     assert fmt == ("flattened_bucket" if flattened else None)
     for payload in payloads:  # each TP rank's entry stands alone
-        report = _child(tmp_path, named, payload, fmt)
+        report = _child(receiver, tmp_path, named, payload, fmt)
         assert report["names"] == [n for n, _ in named]
         assert report["bad"] == []
 
 
 @pytest.mark.subprocess
-def test_list_payload_still_reads_with_the_plain_deserializer(tmp_path):
+def test_list_payload_still_reads_with_the_plain_deserializer(receiver, tmp_path):
     """The hf engine's reader (MultiprocessingSerializer.deserialize) is unchanged."""
     named = _named()
     payloads, fmt = wio.serialize_for_sglang(named, tp_size=1, flattened=False)
-    report = _child(tmp_path, named, payloads[0], fmt, reader="plain")
+    report = _child(receiver, tmp_path, named, payloads[0], fmt, reader="plain")
     assert report["bad"] == [] and len(report["names"]) == len(named)
 
 
@@ -233,18 +246,18 @@ def test_rejects_bad_tp_size():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("flattened", [False, True])
-def test_second_process_opens_cuda_ipc_by_uuid(tmp_path, flattened):
+def test_second_process_opens_cuda_ipc_by_uuid(receiver, tmp_path, flattened):
     named = _named("cuda")
     payloads, fmt = wio.serialize_for_sglang(named, tp_size=1, flattened=flattened)
     uuid = str(torch.cuda.get_device_properties(0).uuid)
     assert uuid.encode() in base64.b64decode(payloads[0])  # the device by UUID, not index
-    report = _child(tmp_path, named, payloads[0], fmt)
+    report = _child(receiver, tmp_path, named, payloads[0], fmt)
     assert report["bad"] == [] and all(d.startswith("cuda") for d in report["devices"])
 
 
 
 @pytest.mark.subprocess
-def test_staged_buckets_reuse_their_shared_buffer_and_carry_new_values(tmp_path):
+def test_staged_buckets_reuse_their_shared_buffer_and_carry_new_values(receiver, tmp_path):
     """SharedStaging: a second push of the same layout writes into the same /dev/shm
     buffer, and a second process reads the new values (not the first push's)."""
     staging = wio.SharedStaging()
@@ -252,14 +265,14 @@ def test_staged_buckets_reuse_their_shared_buffer_and_carry_new_values(tmp_path)
     first = staging.flatten(0, named)
     flat = first["flattened_tensor"]
     assert flat.is_shared()
-    report = _child(tmp_path, named, wio.MultiprocessingSerializer.serialize(first, output_str=True),
+    report = _child(receiver, tmp_path, named, wio.MultiprocessingSerializer.serialize(first, output_str=True),
                     "flattened_bucket")
     assert report["bad"] == [] and report["names"] == [n for n, _ in named]
 
     changed = [(n, t + 1 if t.dtype != torch.bool else ~t) for n, t in named]
     second = staging.flatten(0, changed)
     assert second["flattened_tensor"].data_ptr() == flat.data_ptr()  # no new shared copy
-    report = _child(tmp_path, changed, wio.MultiprocessingSerializer.serialize(second, output_str=True),
+    report = _child(receiver, tmp_path, changed, wio.MultiprocessingSerializer.serialize(second, output_str=True),
                     "flattened_bucket")
     assert report["bad"] == []
     # Another layout under the same key gets its own buffer.
