@@ -124,11 +124,14 @@ def ray_local():
     import ray
 
     tmp = tempfile.mkdtemp(prefix="hg-ray-")
-    # Logical CPUs above the 2 physical cores: actors here mostly wait on I/O.
+    # Logical CPUs above the 2 physical cores: actors here mostly wait on I/O, and a test
+    # file's module-scoped groups hold theirs until the file ends (test_fsdp_train_group
+    # holds 7 training ranks while its zero-advantage test starts 2 more). An actor asking
+    # for more than is free waits, without an error, for good.
     # address="local": always a fresh instance, never one already running on the machine.
     # Its workers inherit this process's environment (one thread, HOMEGYM_CACHE: set at the
     # top of this file); a runtime_env would start each of them through Ray's setup shim.
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True,
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=True,
              _temp_dir=tmp)
     yield ray
     ray.shutdown()

@@ -74,6 +74,29 @@ def test_buckets_gathered_in_the_engine_dtype_are_the_full_tensors_cast(group2):
             assert torch.equal(rank_cast[name], tensor.to(torch.bfloat16)), name
 
 
+# Two optimizer steps (old log-probs from a forward) and small micro-batches, so the ranks
+# run several micro-batches, some of them empty padding ones.
+PARITY_TRAIN = {"global_batch_size": 8, "max_tokens_per_micro_batch": 96, "lr": 1e-3}
+
+
+@pytest.fixture(scope="module")
+def one_and_two_ranks(ray_local, tiny_model_path, tmp_path_factory):
+    """{1: (group, built), 2: (group, built)}: a one-rank and a two-rank group with
+    ``PARITY_TRAIN``, each saved as built. They start with a KL term, so that every algo
+    set on them can have one (``set_algo`` cannot add the reference model)."""
+    groups = {}
+    try:
+        for ranks in (1, 2):
+            group = components.train_group(make_config(
+                train={**PARITY_TRAIN, "ranks_per_node": ranks}, algo={"kl_coef": 0.05}))
+            groups[ranks] = group, str(tmp_path_factory.mktemp(f"built-{ranks}-ranks"))
+            group.save(groups[ranks][1])
+        yield groups
+    finally:
+        for group, _ in groups.values():
+            group.shutdown()
+
+
 @pytest.mark.parametrize("algo", [
     {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.05, "entropy_coef": 0.01},
     # Token-level advantages whitened over both ranks, KL in the reward, GSPO, ICEPOP with
@@ -82,20 +105,15 @@ def test_buckets_gathered_in_the_engine_dtype_are_the_full_tensors_cast(group2):
      "kl_type": "k3", "rollout_correction": "icepop", "correction_low": 0.9,
      "correction_high": 1.1, "loss_agg": "seq_mean_token_sum_norm"},
 ], ids=["ppo-kl-entropy", "reinforce_pp-gspo-icepop"])
-def test_two_ranks_equal_one_rank(ray_local, tiny_model_path, algo):
+def test_two_ranks_equal_one_rank(one_and_two_ranks, algo):
     batch = make_batch(num_groups=4, group_size=4, seed=3)
-    # Two optimizer steps (old log-probs from a forward) and small micro-batches, so the
-    # ranks run several micro-batches, some of them empty padding ones.
-    train = {"global_batch_size": 8, "max_tokens_per_micro_batch": 96, "lr": 1e-3}
+    algo_config = make_config(train=PARITY_TRAIN, algo=algo).algo
     results = {}
-    for ranks in (1, 2):
-        group = components.train_group(make_config(train={**train, "ranks_per_node": ranks},
-                                                   algo=algo))
-        try:
-            metrics = group.train_step(batch)
-            results[ranks] = (metrics, exported_params(group))
-        finally:
-            group.shutdown()
+    for ranks, (group, built) in one_and_two_ranks.items():
+        group.load(built)  # as built, the optimizer fresh
+        group.set_algo(algo_config)
+        metrics = group.train_step(batch)
+        results[ranks] = (metrics, exported_params(group))
     (m1, p1), (m2, p2) = results[1], results[2]
     # The mismatch metrics: sums all-reduced, quantiles and maxima from both ranks' sketches.
     mismatch = [k for k in m1 if k.startswith("mismatch/")]
@@ -112,7 +130,8 @@ def test_two_ranks_equal_one_rank(ray_local, tiny_model_path, algo):
     # divides by sqrt(v) ~ |g|, so the few elements with near-zero gradients amplify
     # summation-order rounding: allow 5% of one update (lr), far below a wrong update.
     for name in p1:
-        torch.testing.assert_close(p1[name], p2[name], atol=0.05 * train["lr"], rtol=0, msg=name)
+        torch.testing.assert_close(p1[name], p2[name], atol=0.05 * PARITY_TRAIN["lr"], rtol=0,
+                                   msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -121,21 +140,22 @@ def one_rank(ray_local, tiny_model_path, tmp_path_factory):
     saved as built; each call hands it back as built, by loading that checkpoint (the
     optimizer fresh again: the checkpoint test below)."""
     groups = {}
-    for share in (False, True):
-        group = components.train_group(make_config(train={"share_prompts": share, "lr": 1e-3},
-                                                   algo={"entropy_coef": 0.01}))
-        built = str(tmp_path_factory.mktemp(f"built-share-{share}"))
-        group.save(built)
-        groups[share] = group, built
 
     def get(share: bool) -> TrainGroup:
         group, built = groups[share]
         group.load(built)
         return group
 
-    yield get
-    for group, _ in groups.values():
-        group.shutdown()
+    try:
+        for share in (False, True):
+            group = components.train_group(make_config(
+                train={"share_prompts": share, "lr": 1e-3}, algo={"entropy_coef": 0.01}))
+            groups[share] = group, str(tmp_path_factory.mktemp(f"built-share-{share}"))
+            group.save(groups[share][1])
+        yield get
+    finally:
+        for group, _ in groups.values():
+            group.shutdown()
 
 
 def test_shared_prefixes_equal_per_sample_rows(one_rank):
