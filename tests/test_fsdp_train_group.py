@@ -1,5 +1,6 @@
 """FSDP2 training ranks as real Ray actors over gloo: equivalence, learning, checkpoints, export."""
 
+import contextlib
 import os
 import time
 
@@ -79,22 +80,30 @@ def test_buckets_gathered_in_the_engine_dtype_are_the_full_tensors_cast(group2):
 PARITY_TRAIN = {"global_batch_size": 8, "max_tokens_per_micro_batch": 96, "lr": 1e-3}
 
 
+@contextlib.contextmanager
+def built_groups(configs: dict, tmp_path_factory):
+    """{key: (group, a checkpoint of it saved as built)} for {key: config}; shut down on exit."""
+    groups = {}
+    try:
+        for key, config in configs.items():
+            group = components.train_group(config)
+            groups[key] = group, str(tmp_path_factory.mktemp(f"built-{key}"))
+            group.save(groups[key][1])
+        yield groups
+    finally:
+        for group, _ in groups.values():
+            group.shutdown()
+
+
 @pytest.fixture(scope="module")
 def one_and_two_ranks(ray_local, tiny_model_path, tmp_path_factory):
     """{1: (group, built), 2: (group, built)}: a one-rank and a two-rank group with
     ``PARITY_TRAIN``, each saved as built. They start with a KL term, so that every algo
     set on them can have one (``set_algo`` cannot add the reference model)."""
-    groups = {}
-    try:
-        for ranks in (1, 2):
-            group = components.train_group(make_config(
-                train={**PARITY_TRAIN, "ranks_per_node": ranks}, algo={"kl_coef": 0.05}))
-            groups[ranks] = group, str(tmp_path_factory.mktemp(f"built-{ranks}-ranks"))
-            group.save(groups[ranks][1])
+    configs = {ranks: make_config(train={**PARITY_TRAIN, "ranks_per_node": ranks},
+                                  algo={"kl_coef": 0.05}) for ranks in (1, 2)}
+    with built_groups(configs, tmp_path_factory) as groups:
         yield groups
-    finally:
-        for group, _ in groups.values():
-            group.shutdown()
 
 
 @pytest.mark.parametrize("algo", [
@@ -139,23 +148,15 @@ def one_rank(ray_local, tiny_model_path, tmp_path_factory):
     """``one_rank(share_prompts)``: a one-rank group (lr 1e-3, an entropy bonus) per setting,
     saved as built; each call hands it back as built, by loading that checkpoint (the
     optimizer fresh again: the checkpoint test below)."""
-    groups = {}
+    configs = {share: make_config(train={"share_prompts": share, "lr": 1e-3},
+                                  algo={"entropy_coef": 0.01}) for share in (False, True)}
+    with built_groups(configs, tmp_path_factory) as groups:
+        def get(share: bool) -> TrainGroup:
+            group, built = groups[share]
+            group.load(built)
+            return group
 
-    def get(share: bool) -> TrainGroup:
-        group, built = groups[share]
-        group.load(built)
-        return group
-
-    try:
-        for share in (False, True):
-            group = components.train_group(make_config(
-                train={"share_prompts": share, "lr": 1e-3}, algo={"entropy_coef": 0.01}))
-            groups[share] = group, str(tmp_path_factory.mktemp(f"built-share-{share}"))
-            group.save(groups[share][1])
         yield get
-    finally:
-        for group, _ in groups.values():
-            group.shutdown()
 
 
 def test_shared_prefixes_equal_per_sample_rows(one_rank):
