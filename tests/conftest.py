@@ -32,6 +32,10 @@ TIER_MARKERS = ("slow", "ray", "subprocess")
 # the tier is about. A fork without exec (a privilege drop) is not either.
 _QUICK_TOOLS = frozenset({"uname", "ldconfig", "git", "nproc", "lscpu", "id", "df", "which",
                           "fc-list"})
+# The engine's C kernels compile on first use, once per cache and CPU (about a second:
+# rollout/engines/hf/native.py); on a fresh cache a fast test that runs the engine's
+# forward in process is the first to ask for them.
+_NATIVE_SOURCE = os.path.join("rollout", "engines", "hf", "csrc", "kernels.c")
 _fast_guard: dict = {"armed": False, "spawned": []}
 
 
@@ -40,7 +44,8 @@ def _audit_spawns(event: str, args) -> None:
         return
     if event == "subprocess.Popen":
         argv = args[1] if isinstance(args[1], (list, tuple)) else [args[1] or args[0]]
-        if os.path.basename(str(argv[0])) not in _QUICK_TOOLS:
+        native_build = any(str(a).endswith(_NATIVE_SOURCE) for a in argv)
+        if os.path.basename(str(argv[0])) not in _QUICK_TOOLS and not native_build:
             _fast_guard["spawned"].append(" ".join(map(str, argv))[:160])
     elif event in ("os.posix_spawn", "os.spawn", "os.system", "os.exec"):
         _fast_guard["spawned"].append(f"{event} {str(args)[:140]}")
