@@ -2,8 +2,11 @@
 (on the slot cache's layouts: strided K/V windows, left padding, holes), the C rotary
 embedding, the oneDNN-packed matmuls, and the token draws."""
 
+import os
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -89,6 +92,22 @@ def test_native_kernels_can_be_switched_off(tmp_path):
     env = {"HOMEGYM_NATIVE_KERNELS": "0", "HOMEGYM_CACHE": str(tmp_path), "PATH": "/usr/bin"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=native.SOURCE.parents[4])
     assert not (tmp_path / "kernels").exists()
+
+
+@pytest.mark.subprocess
+def test_a_build_clears_what_killed_builds_left_and_keeps_a_concurrent_ones(tmp_path):
+    """A build killed outright leaves its temporary library beside the target; the next
+    build removes such leftovers, but not a file young enough to be another build's."""
+    out = tmp_path / "kernels" / "key" / "libhomegym_kernels.so"
+    out.parent.mkdir(parents=True)
+    killed, running = out.parent / "tmpkilled.so", out.parent / "tmprunning.so"
+    for f in (killed, running):
+        f.write_bytes(b"partial")
+    old = time.time() - 3 * native.BUILD_TIMEOUT_S
+    os.utime(killed, (old, old))
+    native._build(os.environ.get("CC") or shutil.which("cc") or "gcc", out)
+    assert out.stat().st_size > 0
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name, running.name]
 
 
 def test_packed_linear_matches_f_linear_and_follows_weight_updates():

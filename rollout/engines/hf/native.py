@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -46,14 +47,25 @@ def _cpu_id() -> str:
     return platform.machine() + "\n" + "\n".join(sorted(set(lines)))
 
 
+BUILD_TIMEOUT_S = 120
+
+
 def _build(cc: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
+    # A build killed outright (SIGKILL, a machine going down) leaves its temporary file; any
+    # older than a build may take is such a leftover, not a concurrent build's.
+    for stale in out.parent.glob("tmp*.so"):
+        try:
+            if time.time() - stale.stat().st_mtime > 2 * BUILD_TIMEOUT_S:
+                stale.unlink()
+        except OSError:
+            pass
     # Build beside the target, then rename: concurrent engines never load a partial file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
         subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
