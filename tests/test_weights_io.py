@@ -75,7 +75,7 @@ def _named(device="cpu"):
     return [(n, t.to(device)) for n, t in tensors]
 
 
-def _child(receiver, tmp_path, named, payload, fmt, reader="homegym"):
+def _received(receiver, tmp_path, named, payload, fmt, reader="homegym"):
     """The receiver's report on ``payload``, checked against ``named``."""
     import json
 
@@ -97,7 +97,7 @@ def test_second_process_reads_cpu_payload(receiver, tmp_path, flattened):
     assert len(payloads) == 2 and all(isinstance(p, str) for p in payloads)
     assert fmt == ("flattened_bucket" if flattened else None)
     for payload in payloads:  # each TP rank's entry stands alone
-        report = _child(receiver, tmp_path, named, payload, fmt)
+        report = _received(receiver, tmp_path, named, payload, fmt)
         assert report["names"] == [n for n, _ in named]
         assert report["bad"] == []
 
@@ -107,7 +107,7 @@ def test_list_payload_still_reads_with_the_plain_deserializer(receiver, tmp_path
     """The hf engine's reader (MultiprocessingSerializer.deserialize) is unchanged."""
     named = _named()
     payloads, fmt = wio.serialize_for_sglang(named, tp_size=1, flattened=False)
-    report = _child(receiver, tmp_path, named, payloads[0], fmt, reader="plain")
+    report = _received(receiver, tmp_path, named, payloads[0], fmt, reader="plain")
     assert report["bad"] == [] and len(report["names"]) == len(named)
 
 
@@ -251,7 +251,7 @@ def test_second_process_opens_cuda_ipc_by_uuid(receiver, tmp_path, flattened):
     payloads, fmt = wio.serialize_for_sglang(named, tp_size=1, flattened=flattened)
     uuid = str(torch.cuda.get_device_properties(0).uuid)
     assert uuid.encode() in base64.b64decode(payloads[0])  # the device by UUID, not index
-    report = _child(receiver, tmp_path, named, payloads[0], fmt)
+    report = _received(receiver, tmp_path, named, payloads[0], fmt)
     assert report["bad"] == [] and all(d.startswith("cuda") for d in report["devices"])
 
 
@@ -265,15 +265,15 @@ def test_staged_buckets_reuse_their_shared_buffer_and_carry_new_values(receiver,
     first = staging.flatten(0, named)
     flat = first["flattened_tensor"]
     assert flat.is_shared()
-    report = _child(receiver, tmp_path, named, wio.MultiprocessingSerializer.serialize(first, output_str=True),
-                    "flattened_bucket")
+    payload = wio.MultiprocessingSerializer.serialize(first, output_str=True)
+    report = _received(receiver, tmp_path, named, payload, "flattened_bucket")
     assert report["bad"] == [] and report["names"] == [n for n, _ in named]
 
     changed = [(n, t + 1 if t.dtype != torch.bool else ~t) for n, t in named]
     second = staging.flatten(0, changed)
     assert second["flattened_tensor"].data_ptr() == flat.data_ptr()  # no new shared copy
-    report = _child(receiver, tmp_path, changed, wio.MultiprocessingSerializer.serialize(second, output_str=True),
-                    "flattened_bucket")
+    payload = wio.MultiprocessingSerializer.serialize(second, output_str=True)
+    report = _received(receiver, tmp_path, changed, payload, "flattened_bucket")
     assert report["bad"] == []
     # Another layout under the same key gets its own buffer.
     other = staging.flatten(0, changed[:3])

@@ -50,6 +50,11 @@ def _cpu_id() -> str:
 BUILD_TIMEOUT_S = 120
 
 
+def compiler() -> Optional[str]:
+    """The C compiler the kernels are built with: ``$CC``, else ``cc``, else ``gcc``."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _build(cc: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     # A build killed outright (SIGKILL, a machine going down) leaves its temporary file; any
@@ -81,7 +86,7 @@ def load() -> Optional[ctypes.CDLL]:
         _tried = True
         if os.environ.get("HOMEGYM_NATIVE_KERNELS", "1") == "0":
             return None
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        cc = compiler()
         if cc is None:
             log.warning("no C compiler found: the engine uses its torch decode attention")
             return None
