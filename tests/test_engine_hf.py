@@ -447,6 +447,33 @@ def test_multiturn_prefix_cache_matches_fresh_forward(engine, ref_model):
     assert fifth[0]["meta_info"]["cached_tokens"] == 0
 
 
+def test_prefix_cache_keeps_the_kv_of_rows_prefilled_over_a_past(engine, ref_model):
+    """Next turns of different lengths prefilled together over their cached pasts: each
+    row's KV then has padding between its past and its new suffix, and what the prefix
+    cache keeps when the row finishes must skip it. A third turn over those sequences
+    finds them cached and its log-probs equal a fresh forward."""
+    engine.client.flush_cache()
+    ps = prompts(5, lo=20, hi=60, seed=11)
+
+    def turn(batch, new_tokens):
+        with ThreadPoolExecutor(len(batch)) as pool:
+            return list(pool.map(lambda p: gen(engine, {
+                "input_ids": p, "return_logprob": True, "sampling_params": {
+                    "max_new_tokens": new_tokens, "temperature": 0.9, "ignore_eos": True}}), batch))
+
+    first = turn(ps, 4)
+    # Environment replies of 1-5 tokens: suffixes of different lengths in one prefill.
+    second_prompts = [p + o["output_ids"] + [7 + i] * (1 + i) for i, (p, o) in enumerate(zip(ps, first))]
+    second = turn(second_prompts, 5)
+    third_prompts = [p + o["output_ids"] + [9] for p, o in zip(second_prompts, second)]
+    third = turn(third_prompts, 3)
+    for p2, o2, p3, o3 in zip(second_prompts, second, third_prompts, third):
+        assert o3["meta_info"]["cached_tokens"] == len(p2) + len(o2["output_ids"]) - 1
+        got = torch.tensor([lp for lp, _, _ in o3["meta_info"]["output_token_logprobs"]])
+        want = fresh_logprobs(ref_model, p3, o3["output_ids"], 0.9)
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
 def test_prefill_chunks_by_uncached_length(ref_model):
     """A turn's wave mixes conversations of different lengths whose earlier turns are in
     the prefix cache: what a prefill computes is the new tokens, so they share one chunk,

@@ -79,6 +79,10 @@ class Request:
     on_done: Optional[Callable[["Request"], None]] = None
     matched_stop: Optional[str] = None  # the stop string that ended generation
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # Padding columns between the cached past and the prompt's suffix in this row's KV
+    # (the prefill's layout: see Batcher._prefill); with cached_tokens, where its real
+    # columns are, counted from the right, for the prefix cache (Batcher._store_prefix).
+    kv_hole: int = 0
     group_rid: Optional[str] = None  # the client's rid when n > 1 made several requests
 
 
@@ -528,6 +532,7 @@ class Batcher:
                             for p, n in zip(plen, slen)], dtype=torch.long)
         for r, p in zip(reqs, plen_all):
             r.cached_tokens = p
+            r.kv_hole = S - (len(r.input_ids) - p) if p else 0
         cache = (hybrid.new_cache(self.model, b) if self._hybrid
                  else DynamicCache())
         if P > 0:
@@ -588,13 +593,16 @@ class Batcher:
         tokens = tuple(r.input_ids) + tuple(r.output_ids[:-1])
         if self.prefix_cache.add_ref(tokens):  # a group mate played the same: no copy
             return
-        # Runs [a, b) of the row's real columns (left padding, and a hole between a cached
-        # past and the suffix prefilled over it).
-        edges = torch.diff(self.mask[i], prepend=self.mask.new_zeros(1),
-                           append=self.mask.new_zeros(1)).nonzero()[:, 0].tolist()
-        runs = list(zip(edges[0::2], edges[1::2]))
-        if sum(b - a for a, b in runs) != len(tokens):
-            return
+        # Runs [a, b) of the row's real columns: its cached past, then, after a hole of
+        # padding, the suffix prefilled over it and the tokens decoded since; rows are
+        # right-aligned, so they are known from the prefill's layout without reading the
+        # mask (torch ops on it took 5% of the scheduler's time on the multi-turn shape).
+        width, fed = self.mask.shape[1], len(tokens) - r.cached_tokens
+        if r.kv_hole:
+            end = width - fed - r.kv_hole
+            runs = [(end - r.cached_tokens, end), (width - fed, width)]
+        else:
+            runs = [(width - len(tokens), width)]
         self.prefix_cache.put(tokens, self.kv.row_kv(i, runs), self.kv.row_states(i))
 
     def _append_tokens(self, reqs, tokens, logps) -> list[int]:
