@@ -140,3 +140,23 @@ def test_row_kv_copies_each_run_of_columns_of_every_layer():
         assert got.shape == (2, LAYERS, HEADS, len(cols), DIM)
         for layer, (k, v) in enumerate(row):
             assert torch.equal(got[0, layer], k[:, cols]) and torch.equal(got[1, layer], v[:, cols])
+
+
+def test_a_wave_after_the_batch_emptied_reuses_its_buffers():
+    """Rows all leave, then a new wave of the same size joins and decodes: no new buffers
+    (a fresh one pays a page fault per page), and the new rows' KV is exact."""
+    kv, ref = BatchKV(), Rows()
+    rng = random.Random(4)
+    while kv.rows < 8:
+        join(kv, ref, rng)
+    for _ in range(10):
+        step(kv, ref)
+    buffers = kv.buf
+    kv.keep([])
+    ref.kv = []
+    while kv.rows < 8:
+        join(kv, ref, rng)
+    for _ in range(10):
+        step(kv, ref)
+    ref.check(kv)
+    assert kv.buf is buffers, "the new wave got new buffers"
