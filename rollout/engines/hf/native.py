@@ -1,5 +1,5 @@
-"""The engine's C kernels (decode attention, rotary embedding, RMSNorm): built once per
-machine with the system C compiler, called through ctypes.
+"""The engine's C kernels (attention, rotary embedding, RMSNorm, the gated MLP's activation):
+built once per machine with the system C compiler, called through ctypes.
 
 Plain C with no torch headers, so a build takes about a second (a torch C++ extension
 takes a minute) and needs only ``cc``. The library lives in
@@ -105,6 +105,10 @@ def load() -> Optional[ctypes.CDLL]:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.homegym_decode_attention.argtypes = [ptr] * 5 + [i64] * 12 + [ctypes.c_float] * 2
         lib.homegym_decode_attention.restype = ctypes.c_int
+        lib.homegym_varlen_causal_attention.argtypes = [ptr] * 5 + [i64] * 4 + [ctypes.c_float]
+        lib.homegym_varlen_causal_attention.restype = ctypes.c_int
+        lib.homegym_silu_mul.argtypes = [ptr] * 2 + [i64]
+        lib.homegym_silu_mul.restype = None
         lib.homegym_rope.argtypes = [ptr] * 3 + [i64] * 3
         lib.homegym_rope.restype = None
         lib.homegym_rms_norm.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_float]

@@ -1,16 +1,17 @@
 /* The CPU engine's C kernels, built by rollout/engines/hf/native.py and called by
  * fast_kernels.py.
  *
- * Decode attention (one query per row) over the engine's slot KV cache, float32.
+ * Attention, float32: decode (one query per row) over the engine's slot KV cache, and a
+ * prefill of fresh prompts packed end to end (causal, each prompt to itself).
  *
- * For each row b and KV head h, the G query heads that share h (repeat_kv's layout: query
+ * For each query and KV head h, the G query heads that share h (repeat_kv's layout: query
  * head h*G + g) attend to K/V columns [0, T) of that row, with eager attention's math:
  * scores = (q . k) * scale + mask, softmax in float32, out = probs @ v. Columns whose
  * additive mask is at or below `skip_below` (padding and holes) are never read: in a batch
  * of mixed lengths most of a short row's columns are padding, which a batched matmul reads
  * and multiplies anyway. Each K and V column is read once for all G heads.
  *
- * Layouts (strides in elements): q and out [B, Hkv * G, D] contiguous; k and v with
+ * Decode layouts (strides in elements): q and out [B, Hkv * G, D] contiguous; k and v with
  * strides (row, head, column) and a contiguous head dim; mask [B, T] with row stride.
  * Built by rollout/engines/hf/native.py with -ffast-math (vectorized expf; sums
  * reassociated) and -fopenmp-simd (the simd pragmas, no OpenMP runtime). Masked columns may
@@ -135,6 +136,20 @@ static void attend_any(const float *qh, const float *kb, const float *vb, const 
     }
 }
 
+/* One query row's G heads that share a KV head over the columns `cols`. */
+static inline void attend(const float *qh, const float *kb, const float *vb, const float *mrow,
+                          const int32_t *cols, int64_t n, int64_t G, int64_t D, int64_t skt,
+                          int64_t svt, float scale, float *scores, float *oh) {
+    if (D == 32)
+        attend_fixed(qh, kb, vb, mrow, cols, n, G, skt, svt, scale, scores, oh, 4);
+    else if (D == 64)
+        attend_fixed(qh, kb, vb, mrow, cols, n, G, skt, svt, scale, scores, oh, 8);
+    else if (D == 128)
+        attend_fixed(qh, kb, vb, mrow, cols, n, G, skt, svt, scale, scores, oh, 16);
+    else
+        attend_any(qh, kb, vb, mrow, cols, n, G, D, skt, svt, scale, scores, oh);
+}
+
 int homegym_decode_attention(const float *q, const float *k, const float *v, const float *mask,
                              float *out, int64_t B, int64_t Hkv, int64_t G, int64_t T, int64_t D,
                              int64_t skb, int64_t skh, int64_t skt, int64_t svb, int64_t svh,
@@ -150,21 +165,42 @@ int homegym_decode_attention(const float *q, const float *k, const float *v, con
         int64_t n = 0;  /* the row's attended columns */
         for (int64_t t = 0; t < T; t++)
             if (mrow[t] > skip_below) cols[n++] = (int32_t)t;
-        for (int64_t h = 0; h < Hkv; h++) {
-            const float *kb = k + b * skb + h * skh, *vb = v + b * svb + h * svh;
-            const float *qh = q + (b * Hkv + h) * G * D;
-            float *oh = out + (b * Hkv + h) * G * D;
-            if (D == 32)
-                attend_fixed(qh, kb, vb, mrow, cols, n, G, skt, svt, scale, scores, oh, 4);
-            else if (D == 64)
-                attend_fixed(qh, kb, vb, mrow, cols, n, G, skt, svt, scale, scores, oh, 8);
-            else if (D == 128)
-                attend_fixed(qh, kb, vb, mrow, cols, n, G, skt, svt, scale, scores, oh, 16);
-            else
-                attend_any(qh, kb, vb, mrow, cols, n, G, D, skt, svt, scale, scores, oh);
-        }
+        for (int64_t h = 0; h < Hkv; h++)
+            attend(q + (b * Hkv + h) * G * D, k + b * skb + h * skh, v + b * svb + h * svh,
+                   mrow, cols, n, G, D, skt, svt, scale, scores, out + (b * Hkv + h) * G * D);
     }
     free(scores); free(cols);
+    return 0;
+}
+
+/* Causal attention of packed sequences with no past (a prefill of fresh prompts): R
+ * sequences laid end to end, sequence r at tokens [bounds[r], bounds[r + 1]); token i
+ * attends to tokens [bounds[r], i] of its own sequence. q and out [N, Hkv * G, D], k and v
+ * [N, Hkv, D], all contiguous. One call for the whole prefill where SDPA takes one per
+ * sequence, each paying its setup for a few dozen tokens. */
+int homegym_varlen_causal_attention(const float *q, const float *k, const float *v,
+                                    float *out, const int64_t *bounds, int64_t R, int64_t Hkv,
+                                    int64_t G, int64_t D, float scale) {
+    const int64_t N = bounds[R];
+    float *scores = malloc(sizeof(float) * (size_t)(G * (N > 0 ? N : 1)));
+    float *zeros = calloc((size_t)(N > 0 ? N : 1), sizeof(float));  /* no additive mask */
+    int32_t *cols = malloc(sizeof(int32_t) * (size_t)(N > 0 ? N : 1));
+    if (!scores || !zeros || !cols) {
+        free(scores); free(zeros); free(cols);
+        return 1;
+    }
+    for (int64_t i = 0; i < N; i++) cols[i] = (int32_t)i;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t start = bounds[r];
+        for (int64_t i = start; i < bounds[r + 1]; i++) {
+            for (int64_t h = 0; h < Hkv; h++) {
+                const int64_t at = (i * Hkv + h) * G * D;
+                attend(q + at, k + h * D, v + h * D, zeros, cols + start, i - start + 1, G, D,
+                       Hkv * D, Hkv * D, scale, scores, out + at);
+            }
+        }
+    }
+    free(scores); free(zeros); free(cols);
     return 0;
 }
 
@@ -208,5 +244,34 @@ void homegym_rms_norm(const float *x, const float *w, float *out, int64_t M, int
         const float r = 1.0f / sqrtf(ss / (float)D + eps);
 #pragma omp simd
         for (int64_t i = 0; i < D; i++) o[i] = w[i] * (xr[i] * r);
+    }
+}
+
+/* exp(x) for x in [-87, 88] (callers clamp): 2^n * e^r with n = round(x / ln 2) and
+ * Cephes' degree-7 polynomial for e^r on [-ln2/2, ln2/2], within ~2 ulp. Plain arithmetic,
+ * so loops calling it vectorize with whatever the CPU has (glibc's vector expf measured
+ * slower than torch's here). */
+static inline float exp_clamped(float x) {
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+/* The gated MLP's activation in place, gate = silu(gate) * up over n floats (silu(x) =
+ * x / (1 + exp(-x))): one vectorized pass where torch runs silu (its expf ~1 ns a float
+ * on AVX2) and then the product, each over the whole [tokens, intermediate] tensor. */
+void homegym_silu_mul(float *gate, const float *up, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        const float x = gate[i], m = x < -88.0f ? 88.0f : (x > 87.0f ? -87.0f : -x);
+        gate[i] = x / (1.0f + exp_clamped(m)) * up[i];
     }
 }
