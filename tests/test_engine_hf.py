@@ -192,6 +192,9 @@ def test_abort_returns_partial_tokens(engine):
     ({"text": "hi", "sampling_params": {"stop": 3}}, "stop"),
     ({"input_ids": [1] * (CTX + 5)}, "context length"),
     ({"input_ids": [1, 99999]}, "vocabulary"),
+    ({"input_ids": [-1, 2]}, "vocabulary"),
+    ({"input_ids": [1, True]}, "list of integers"),
+    ({"input_ids": [1, 2.0]}, "list of integers"),
     ({"input_ids": []}, "empty"),
     ({}, "input_ids"),
 ])

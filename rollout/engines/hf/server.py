@@ -320,8 +320,9 @@ class Server:
 
     def _prompt_ids(self, text, input_ids) -> list[int]:
         if input_ids is not None:
-            if not isinstance(input_ids, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+            # type() is int, not isinstance: JSON's true/false are not token ids; and half
+            # the per-token cost (a generate request's validation, 250 ids: 40 -> 18 us).
+            if not isinstance(input_ids, list) or not all(type(t) is int for t in input_ids):
                 raise BadRequest("input_ids must be a list of integers")
             ids = input_ids
         elif isinstance(text, str):
@@ -333,8 +334,8 @@ class Server:
         if len(ids) >= self.max_context_len:
             raise BadRequest(f"the prompt has {len(ids)} tokens; this server's context length is "
                              f"{self.max_context_len} (prompt + new tokens)")
-        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
-        if bad:
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = [t for t in ids if t < 0 or t >= self.vocab_size]
             raise BadRequest(f"input_ids contains ids outside the vocabulary [0, {self.vocab_size}): "
                              f"{bad[:5]}")
         return ids
