@@ -12,10 +12,10 @@ prefill/decode seconds (``/server_info``), and a breakdown of the engine process
 samples from py-spy (``pip install py-spy``, the ``bench`` extra; ``--rate 0`` skips it):
 the forward pass by part, the scheduler's work outside it, and the HTTP thread's.
 py-spy counts samples of running (non-idle) threads, so the shares are of the engine's
-CPU work, the scheduler thread and the HTTP thread together. ``--in-process`` runs the
-burst straight into the engine's scheduler (the Batcher) in this process instead, with no
-HTTP, router or client, and profiles that: the scheduler's share outside the forward pass
-without the serving path around it. Not a test.
+CPU work, the scheduler thread and the HTTP thread together. ``--in-process`` runs both
+workloads straight into the engine's scheduler (the Batcher) in this process instead, with
+no HTTP, router or client, and profiles that: the scheduler's share outside the forward
+pass without the serving path around it. Not a test.
 """
 
 from __future__ import annotations
@@ -108,7 +108,10 @@ def report(proc: subprocess.Popen, raw: str) -> None:
 
 
 def in_process(path: str, prompts, runs: int, spy_bin: str, rate: int, tmp: str) -> None:
-    """The burst submitted straight to a Batcher in this process, profiled."""
+    """Both workloads submitted straight to a Batcher in this process, profiled: the burst,
+    and the multi-turn shape (run_multiturn's episodes, each next turn submitted from the
+    scheduler thread as the previous one finishes: no HTTP, router or client latency)."""
+    import random
     import threading
 
     from transformers import AutoModelForCausalLM
@@ -118,6 +121,7 @@ def in_process(path: str, prompts, runs: int, spy_bin: str, rate: int, tmp: str)
 
     model = AutoModelForCausalLM.from_pretrained(
         path, attn_implementation=fast_kernels.register()).eval()
+    vocab = model.config.vocab_size
     batcher = Batcher(model, None, set(), 4096)
     batcher.start()
 
@@ -129,20 +133,42 @@ def in_process(path: str, prompts, runs: int, spy_bin: str, rate: int, tmp: str)
         for _ in prompts:
             left.acquire()
 
-    burst()  # warm-up
-    raw = os.path.join(tmp, "raw.txt")
-    proc = spy(spy_bin, os.getpid(), rate, raw) if rate else None
-    walls, c0 = [], time.process_time()
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        burst()
-        walls.append(time.perf_counter() - t0)
-    print(f"burst in process, no HTTP: wall per run min {min(walls):.3f} s, median "
-          f"{statistics.median(walls):.3f} s; CPU s per run {(time.process_time() - c0) / runs:.3f}")
+    def multiturn(episodes: int = 64, turns: int = 8) -> None:
+        rng, left = random.Random(0), threading.Semaphore(0)
+
+        def play(k: int, ids: list[int], turn: int) -> None:
+            def done(r: Request) -> None:
+                if turn + 1 == turns:
+                    left.release()
+                else:
+                    play(k, ids + r.output_ids + [rng.randrange(10, vocab - 1) for _ in range(10)],
+                         turn + 1)
+
+            batcher.submit(Request(rid=f"{k}-{turn}", input_ids=ids, ignore_eos=True,
+                                   max_new_tokens=rng.randint(5, 8), return_logprob=True,
+                                   on_done=done))
+
+        for k in range(episodes):
+            play(k, [rng.randrange(10, vocab - 1) for _ in range(rng.randint(60, 100))], 0)
+        for _ in range(episodes):
+            left.acquire()
+
+    for name, job in (("burst", burst), ("multi-turn", multiturn)):
+        job()  # warm-up
+        raw = os.path.join(tmp, "raw.txt")
+        proc = spy(spy_bin, os.getpid(), rate, raw) if rate else None
+        walls, c0 = [], time.process_time()
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            job()
+            walls.append(time.perf_counter() - t0)
+        print(f"{name} in process, no HTTP: wall per run min {min(walls):.3f} s, median "
+              f"{statistics.median(walls):.3f} s; CPU s per run "
+              f"{(time.process_time() - c0) / runs:.3f}")
+        if proc is not None:
+            report(proc, raw)
     batcher.stop()
     batcher.thread.join(5)
-    if proc is not None:
-        report(proc, raw)
 
 
 def main() -> None:
