@@ -8,7 +8,8 @@ burst (64 prompts x 32 new tokens) and its multi-turn RL shape (64 episodes x 8 
 ``--runs`` times each (a burst run is ``run_engine``'s, one request alone and then the
 burst). For each workload it prints the wall time per run, the CPU seconds
 per run of the engine process, the router process and this client, the engine's own
-prefill/decode seconds (``/server_info``), and a breakdown of the engine process's
+prefill/decode seconds (``/server_info``), its scheduler and HTTP threads' CPU seconds and
+context switches, and a breakdown of the engine process's
 samples from py-spy (``pip install py-spy``, the ``bench`` extra; ``--rate 0`` skips it):
 the forward pass by part, the scheduler's work outside it, and the HTTP thread's.
 py-spy counts samples of running (non-idle) threads, so the shares are of the engine's
@@ -90,6 +91,35 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         pass
     return total
+
+
+def thread_stats(pid: int) -> dict[int, tuple[float, int, int]]:
+    """Per thread of a process: (CPU seconds, voluntary and involuntary context switches).
+    A thread waiting for the GIL sleeps on a futex, a voluntary switch; one preempted for
+    another process's turn on the core counts an involuntary one."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        out[int(tid)] = ((int(fields[11]) + int(fields[12])) / tick,
+                         int(status["voluntary_ctxt_switches"]),
+                         int(status["nonvoluntary_ctxt_switches"]))
+    return out
+
+
+def thread_report(pid: int, before: dict, after: dict, runs: int) -> str:
+    """The engine's HTTP thread (the main thread) and its busiest other (the scheduler)."""
+    diff = {t: tuple((b - a) / runs for a, b in zip(before.get(t, (0, 0, 0)), after[t]))
+            for t in after}
+    sched = max((t for t in diff if t != pid), key=lambda t: diff[t][0])
+    return "; ".join(f"{name} {diff[t][0]:.3f} CPU s, {diff[t][1]:.0f} voluntary and "
+                     f"{diff[t][2]:.0f} involuntary switches"
+                     for name, t in (("scheduler thread", sched), ("HTTP thread", pid)))
 
 
 def spy(spy_bin: str, pid: int, rate: int, raw: str) -> subprocess.Popen:
@@ -211,12 +241,14 @@ def main() -> None:
                 proc = spy(spy_bin, epid, args.rate, raw) if args.rate else None
                 info0 = engine.client.server_info()
                 cpu0 = (cpu_seconds(epid), cpu_seconds(rpid), time.process_time())
+                threads0 = thread_stats(epid)
                 walls = []
                 for _ in range(args.runs):
                     t0 = time.perf_counter()
                     asyncio.run(job(router.url))
                     walls.append(time.perf_counter() - t0)
                 cpu1 = (cpu_seconds(epid), cpu_seconds(rpid), time.process_time())
+                threads1 = thread_stats(epid)
                 info1 = engine.client.server_info()
                 n = args.runs
                 e, r, c = ((b - a) / n for a, b in zip(cpu0, cpu1))
@@ -226,6 +258,7 @@ def main() -> None:
                 print("  engine's own: " + ", ".join(
                     f"{k} {(info1[k] - info0[k]) / n:.3f}"
                     for k in ("prefills", "prefill_s", "decode_steps", "decode_s")) + " per run")
+                print("  per run: " + thread_report(epid, threads0, threads1, n))
                 if proc is not None:
                     report(proc, raw)
         finally:

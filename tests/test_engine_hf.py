@@ -466,7 +466,8 @@ def test_prefix_cache_keeps_the_kv_of_rows_prefilled_over_a_past(engine, ref_mod
 
     first = turn(ps, 4)
     # Environment replies of 1-5 tokens: suffixes of different lengths in one prefill.
-    second_prompts = [p + o["output_ids"] + [7 + i] * (1 + i) for i, (p, o) in enumerate(zip(ps, first))]
+    second_prompts = [p + o["output_ids"] + [7 + i] * (1 + i)
+                      for i, (p, o) in enumerate(zip(ps, first))]
     second = turn(second_prompts, 5)
     third_prompts = [p + o["output_ids"] + [9] for p, o in zip(second_prompts, second)]
     third = turn(third_prompts, 3)

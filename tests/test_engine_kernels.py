@@ -82,7 +82,8 @@ def test_native_silu_mul_equals_silu_times_up():
     got = gate.clone()
     assert fast_kernels.silu_mul_(got, up)
     # The polynomial exp is within ~2 ulp; torch's own float32 silu * up is within ~2e-7.
-    assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-30), (got.double() - want).abs().max()
+    err = (got.double() - want).abs().max()
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-30), err
     assert not fast_kernels.silu_mul_(gate.double(), up.double())
 
 

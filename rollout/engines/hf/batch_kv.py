@@ -216,6 +216,5 @@ class HybridKV(BatchKV):
             for d, s in zip(dst, src):
                 buf[d] = buf[s]
 
-
     def row_states(self, i: int) -> list:
         return [(c[i].clone(), r[i].clone()) for c, r in self.states]
