@@ -14,6 +14,9 @@ Workload: prompts of mixed lengths, each generating exactly --new-tokens tokens
 - the raw forward-pass bound: the same prefill and decode work as bare forward passes in
   one process with the engine's kernels and a static schedule (no scheduler, no HTTP),
   i.e. what a perfect server with zero overhead could reach;
+- the multi-turn shape's bound: its turns with a perfect schedule (each turn's requests
+  one wave, prefilled together over the prefix cache and decoded to the end) by the
+  engine's own scheduler code in one thread, with no serving path;
 - with --sglang-python: both engine workloads on the real SGLang CPU server (bfloat16, its
   AMX kernels) in the same run, beside homegym's engine (float32).
 Not a test: timings depend on the machine (and on other processes sharing it).
@@ -198,6 +201,38 @@ def forward_bound(model, prompts: list[list[int]], new_tokens: int, pad_id: int,
     return min(best.values()), best
 
 
+def multiturn_bound(model, episodes: int, turns: int, vocab: int, repeat: int = 3) -> float:
+    """run_multiturn's work with a perfect schedule and no serving path: each turn's
+    requests prefilled together as one wave (over the prefix cache, as the engine does) and
+    decoded until all are done, by the engine's own scheduler code (the Batcher's prefill
+    and decode steps) called in this thread: no HTTP, no router, no client, no request
+    arriving late. Returns the best seconds per run."""
+    import random
+
+    from rollout.engines.hf.batcher import Batcher, Request
+
+    def run() -> float:
+        batcher, rng = Batcher(model, None, set(), 4096), random.Random(0)
+        convs = [[rng.randrange(10, vocab - 1) for _ in range(rng.randint(60, 100))]
+                 for _ in range(episodes)]
+        t0 = time.perf_counter()
+        for _ in range(turns):
+            reqs = [Request(rid=str(k), input_ids=ids, max_new_tokens=rng.randint(5, 8),
+                            ignore_eos=True, return_logprob=True) for k, ids in enumerate(convs)]
+            batcher.kv.expect(len(reqs), max(len(ids) for ids in convs))
+            for chunk in batcher._prefill_chunks(reqs):
+                batcher._prefill(chunk)
+            while batcher.rows:
+                batcher._decode()
+            convs = [ids + r.output_ids + [rng.randrange(10, vocab - 1) for _ in range(10)]
+                     for ids, r in zip(convs, reqs)]
+        return time.perf_counter() - t0
+
+    with torch.no_grad():
+        run()  # warm-up
+        return min(run() for _ in range(repeat))
+
+
 def bench_server(label: str, make_spec, args, prompts, vocab: int, path: str):
     """Both workloads through the router on ``args.engines`` servers of one kind; returns
     (burst seconds, burst tokens, multi-turn requests/s)."""
@@ -256,7 +291,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rollout.engines import HFLaunch, SGLangLaunch
-    from rollout.engines.hf import fast_kernels
+    from rollout.engines.hf import fast_kernels, lean
     from rollout.models import resolve_model_path
 
     path = resolve_model_path(args.model)
@@ -300,6 +335,14 @@ def main() -> None:
           + f" -> {b_tps:,.0f} tok/s")
     print(f"ratio engine / generate(): {e_tps / h_tps:.2f}x; engine / bound: {e_tps / b_tps:.2f} "
           f"(bound / engine time: {e_dt / bound_dt:.2f}x)")
+    m_req_s = results["homegym CPU engine (fp32)"][2]
+    if args.multiturn_turns and lean.supports(fast_model):
+        m_bound = multiturn_bound(fast_model, args.episodes, args.multiturn_turns,
+                                  model.config.vocab_size, args.repeat)
+        m_dt = args.episodes * args.multiturn_turns / m_req_s
+        print(f"multi-turn bound (each turn one wave, prefilled together and decoded to the "
+              f"end by the engine's scheduler code in one thread, no serving path): "
+              f"{m_bound:.2f}s; engine / bound time: {m_dt / m_bound:.2f}x")
 
 
 if __name__ == "__main__":
