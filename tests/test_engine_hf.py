@@ -385,6 +385,22 @@ def test_api_key(tiny_model_path, tmp_path):
         eng.shutdown()
 
 
+def turn(engine, batch, new_tokens, temperature=0.9):
+    """One turn of several conversations, sent at once (so they reach the engine as a wave)."""
+    with ThreadPoolExecutor(len(batch)) as pool:
+        return list(pool.map(lambda q: gen(engine, {
+            "input_ids": q, "return_logprob": True, "sampling_params": {
+                "max_new_tokens": new_tokens, "temperature": temperature,
+                "ignore_eos": True}}), batch))
+
+
+def assert_exact(ref_model, prompt, out, temperature=0.9):
+    """The engine's log-probs of ``out`` equal a fresh forward of the whole sequence."""
+    got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+    want = fresh_logprobs(ref_model, prompt, out["output_ids"], temperature)
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
 def test_grpo_group_shares_prefill_and_prefix_cache(engine, ref_model):
     """n samples of one prompt (a GRPO group): the burst's prefill computes the prompt once
     for all rows, and samples that made the same first move each find the (shared) prefix
@@ -392,25 +408,14 @@ def test_grpo_group_shares_prefill_and_prefix_cache(engine, ref_model):
     engine.client.flush_cache()
     p = prompts(1, lo=30, hi=31, seed=5)[0]
 
-    def turn(batch, new_tokens, temperature):
-        with ThreadPoolExecutor(len(batch)) as pool:
-            return list(pool.map(lambda q: gen(engine, {
-                "input_ids": q, "return_logprob": True, "sampling_params": {
-                    "max_new_tokens": new_tokens, "temperature": temperature,
-                    "ignore_eos": True}}), batch))
-
-    first = turn([p] * 4, 3, 0.0)  # greedy: four identical moves
+    first = turn(engine, [p] * 4, 3, 0.0)  # greedy: four identical moves
     assert len({tuple(o["output_ids"]) for o in first}) == 1
-    got = torch.tensor([lp for lp, _, _ in first[0]["meta_info"]["output_token_logprobs"]])
-    assert torch.allclose(got, fresh_logprobs(ref_model, p, first[0]["output_ids"], 0.0),
-                          atol=1e-4)
+    assert_exact(ref_model, p, first[0], 0.0)
     nxt = [p + o["output_ids"] + [7 + i, 8] for i, o in enumerate(first)]
-    second = turn(nxt, 4, 0.9)
+    second = turn(engine, nxt, 4)
     for p2, o2 in zip(nxt, second):
         assert o2["meta_info"]["cached_tokens"] == len(p) + 3 - 1
-        got = torch.tensor([lp for lp, _, _ in o2["meta_info"]["output_token_logprobs"]])
-        want = fresh_logprobs(ref_model, p2, o2["output_ids"], 0.9)
-        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+        assert_exact(ref_model, p2, o2)
 
 
 def test_multiturn_prefix_cache_matches_fresh_forward(engine, ref_model):
@@ -418,35 +423,27 @@ def test_multiturn_prefix_cache_matches_fresh_forward(engine, ref_model):
     in one prefill with rows of other cached lengths, and log-probs stay exact."""
     engine.client.flush_cache()
     ps = prompts(6, lo=20, hi=70, seed=3)
-
-    def turn(batch, new_tokens):
-        with ThreadPoolExecutor(len(batch)) as pool:
-            return list(pool.map(lambda p: gen(engine, {
-                "input_ids": p, "return_logprob": True, "sampling_params": {
-                    "max_new_tokens": new_tokens, "temperature": 0.9, "ignore_eos": True}}), batch))
-
-    first = turn(ps, 5)
+    first = turn(engine, ps, 5)
     second_prompts = [p + o["output_ids"] + [7 + i, 8, 9] for i, (p, o) in enumerate(zip(ps, first))]
-    second = turn(second_prompts, 6)
+    second = turn(engine, second_prompts, 6)
     for p, o1, p2, o2 in zip(ps, first, second_prompts, second):
         assert o2["meta_info"]["cached_tokens"] == len(p) + len(o1["output_ids"]) - 1
-        got = torch.tensor([lp for lp, _, _ in o2["meta_info"]["output_token_logprobs"]])
-        want = fresh_logprobs(ref_model, p2, o2["output_ids"], 0.9)
-        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+        assert_exact(ref_model, p2, o2)
     # As SGLang, a weight update keeps the cache unless it asks for a flush (the pusher
     # flushes: trainer/weight_sync/engine_updates.py); a flush, or an update with
     # flush_cache, drops it.
     sd = ref_model.state_dict()
     push_tensors(engine.client, [("model.norm.weight", sd["model.norm.weight"])], version="default")
-    third = turn([second_prompts[0] + second[0]["output_ids"] + [5]], 2)
+    third = turn(engine, [second_prompts[0] + second[0]["output_ids"] + [5]], 2)
     assert third[0]["meta_info"]["cached_tokens"] == len(second_prompts[0]) + 6 - 1
-    fourth = turn([second_prompts[1] + second[1]["output_ids"] + [5]], 2)
+    fourth = turn(engine, [second_prompts[1] + second[1]["output_ids"] + [5]], 2)
     r = requests.post(engine.url + "/update_weights_from_tensor", json={
         "serialized_named_tensors": [MultiprocessingSerializer.serialize(
             [("model.norm.weight", sd["model.norm.weight"])], output_str=True)],
         "flush_cache": True}, timeout=30)
     assert r.status_code == 200, r.text
-    fifth = turn([second_prompts[1] + second[1]["output_ids"] + [5] + fourth[0]["output_ids"]], 2)
+    fifth = turn(engine, [second_prompts[1] + second[1]["output_ids"] + [5]
+                          + fourth[0]["output_ids"]], 2)
     assert fifth[0]["meta_info"]["cached_tokens"] == 0
 
 
@@ -457,25 +454,16 @@ def test_prefix_cache_keeps_the_kv_of_rows_prefilled_over_a_past(engine, ref_mod
     finds them cached and its log-probs equal a fresh forward."""
     engine.client.flush_cache()
     ps = prompts(5, lo=20, hi=60, seed=11)
-
-    def turn(batch, new_tokens):
-        with ThreadPoolExecutor(len(batch)) as pool:
-            return list(pool.map(lambda p: gen(engine, {
-                "input_ids": p, "return_logprob": True, "sampling_params": {
-                    "max_new_tokens": new_tokens, "temperature": 0.9, "ignore_eos": True}}), batch))
-
-    first = turn(ps, 4)
+    first = turn(engine, ps, 4)
     # Environment replies of 1-5 tokens: suffixes of different lengths in one prefill.
     second_prompts = [p + o["output_ids"] + [7 + i] * (1 + i)
                       for i, (p, o) in enumerate(zip(ps, first))]
-    second = turn(second_prompts, 5)
+    second = turn(engine, second_prompts, 5)
     third_prompts = [p + o["output_ids"] + [9] for p, o in zip(second_prompts, second)]
-    third = turn(third_prompts, 3)
+    third = turn(engine, third_prompts, 3)
     for p2, o2, p3, o3 in zip(second_prompts, second, third_prompts, third):
         assert o3["meta_info"]["cached_tokens"] == len(p2) + len(o2["output_ids"]) - 1
-        got = torch.tensor([lp for lp, _, _ in o3["meta_info"]["output_token_logprobs"]])
-        want = fresh_logprobs(ref_model, p3, o3["output_ids"], 0.9)
-        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+        assert_exact(ref_model, p3, o3)
 
 
 def test_prefill_chunks_by_uncached_length(ref_model):
