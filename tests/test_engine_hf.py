@@ -1,6 +1,7 @@
 """The CPU engine (rollout/engines/hf) against its HTTP contract, on a real server process."""
 
 import asyncio
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -182,6 +183,26 @@ def test_abort_returns_partial_tokens(engine):
                  what="three requests at the engine")
         engine.client.abort_all()
         assert {f.result()["meta_info"]["finish_reason"]["type"] for f in futs} == {"abort"}
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_client_that_goes_away_frees_its_rows(engine, n):
+    """A client that closes its connection mid-generation (n=1: the request awaited in
+    place; n=2: its samples gathered) has its rows aborted, not decoded to the end."""
+    import socket
+
+    body = json.dumps({"input_ids": [5, 6, 7], "sampling_params": {
+        "max_new_tokens": CTX - 10, "ignore_eos": True, "n": n}}).encode()
+    host, port = engine.url.removeprefix("http://").split(":")
+    steps = engine.client.server_info()["decode_steps"]
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        wait_for(lambda: engine.client.server_info()["num_running_reqs"] == n, timeout_s=30,
+                 what="the requests to reach the engine")
+    wait_for(lambda: engine.client.server_info()["num_running_reqs"] == 0, timeout_s=30,
+             what="the rows of the client that went away to be freed")
+    assert engine.client.server_info()["decode_steps"] - steps < CTX // 2
 
 
 @pytest.mark.parametrize("payload,needle", [
