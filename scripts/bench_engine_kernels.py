@@ -47,7 +47,7 @@ def best_time(fn, min_s: float = 0.3, rounds: int = 5) -> float:
 
 def matmuls() -> None:
     print("matmuls, SmolLM2-135M shapes [rows x in -> out]:")
-    mm = packed_linear.PackedLinears()
+    mm = packed_linear.PackedLinears(enabled=True)
     gen = torch.Generator().manual_seed(0)
     for rows, k, n in [(64, 576, 1536), (64, 1536, 576), (64, 576, 576), (64, 576, 192),
                        (2318, 576, 1536), (2318, 1536, 576), (5355, 576, 1536)]:
@@ -103,9 +103,11 @@ def decode_attention() -> None:
 
 
 def main() -> None:
-    print(f"torch {torch.__version__}, 1 thread; oneDNN packed matmuls "
-          f"{'on' if packed_linear.available() else 'OFF'}; C kernels "
-          f"{'built' if native.load() is not None else 'MISSING'}")
+    usable = packed_linear.available()
+    engine = "uses them" if usable and packed_linear.pays_off() else "uses F.linear"
+    print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), 1 thread; "
+          f"oneDNN packed matmuls {'available (the engine ' + engine + ')' if usable else 'OFF'}; "
+          f"C kernels {'built' if native.load() is not None else 'MISSING'}")
     with torch.no_grad():
         matmuls()
         norms()

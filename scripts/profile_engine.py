@@ -1,7 +1,7 @@
 """Where the CPU engine's time goes on bench_engine.py's workloads, through the real router.
 
     .venv/bin/python scripts/profile_engine.py [--model tiny-qwen3] [--runs 5] [--rate 250]
-        [--in-process]
+        [--in-process] [--parts]
 
 Starts one engine server and the router as bench_engine.py does, warms up, then runs its
 burst (64 prompts x 32 new tokens) and its multi-turn RL shape (64 episodes x 8 turns)
@@ -16,7 +16,9 @@ py-spy counts samples of running (non-idle) threads, so the shares are of the en
 CPU work, the scheduler thread and the HTTP thread together. ``--in-process`` runs both
 workloads straight into the engine's scheduler (the Batcher) in this process instead, with
 no HTTP, router or client, and profiles that: the scheduler's share outside the forward
-pass without the serving path around it. Not a test.
+pass without the serving path around it. ``--parts`` times each part of the burst's
+prefill and decode steps (linear layers, attention, norms, ...) by the scheduler's code
+called in this thread. Not a test.
 """
 
 from __future__ import annotations
@@ -201,13 +203,77 @@ def in_process(path: str, prompts, runs: int, spy_bin: str, rate: int, tmp: str)
     batcher.thread.join(5)
 
 
+def parts(path: str, prompts, runs: int) -> None:
+    """The burst's prefill and decode steps by the engine's scheduler code in this thread,
+    each part of the forward pass timed (time.perf_counter around the calls): where a step's
+    time goes, in milliseconds, with no sampler thread beside it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout.engines.hf import fast_kernels, lean
+    from rollout.engines.hf.batcher import Batcher, Request
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation=fast_kernels.register()).eval()
+    batcher = Batcher(model, None, set(), 4096)
+    spent: collections.Counter = collections.Counter()
+
+    def timed(name: str, fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return run
+
+    forward = batcher._lean
+    forward._linear = timed("linear layers", forward._linear)
+    forward._logits = timed("LM head", forward._logits)
+    for name, module, attr in (("attention", lean, "gqa_attention_forward"),
+                               ("attention", lean, "varlen_causal_attention"),
+                               ("RMSNorm", lean, "_norm"), ("RoPE", lean, "rope_"),
+                               ("MLP activation", lean, "silu_mul_")):
+        setattr(module, attr, timed(name, getattr(module, attr)))
+    batcher._sample = timed("sampling", batcher._sample)
+    batcher._forward = timed("forward pass", batcher._forward)
+
+    def burst() -> tuple[dict, dict, int]:
+        reqs = [Request(rid=str(i), input_ids=p, max_new_tokens=32, ignore_eos=True,
+                        return_logprob=True) for i, p in enumerate(prompts)]
+        spent.clear()
+        t0 = time.perf_counter()
+        batcher.kv.expect(len(reqs), max(map(len, prompts)))
+        for chunk in batcher._prefill_chunks(reqs):
+            batcher._prefill(chunk)
+        prefill = dict(spent, total=time.perf_counter() - t0)
+        spent.clear()
+        t0, steps = time.perf_counter(), 0
+        while batcher.rows:
+            batcher._decode()
+            steps += 1
+        return prefill, dict(spent, total=time.perf_counter() - t0), steps
+
+    with torch.no_grad():
+        burst()  # warm-up
+        best = min((burst() for _ in range(runs)), key=lambda r: r[0]["total"] + r[1]["total"])
+    prefill, decode, steps = best
+    tokens = sum(map(len, prompts))
+    print(f"burst's prefill ({tokens} tokens), ms: " + ", ".join(
+        f"{k} {v * 1e3:.1f}" for k, v in sorted(prefill.items(), key=lambda kv: -kv[1])))
+    print(f"a decode step at batch {len(prompts)} (mean of {steps}), ms: " + ", ".join(
+        f"{k} {v * 1e3 / steps:.2f}" for k, v in sorted(decode.items(), key=lambda kv: -kv[1])))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-qwen3")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples/s (0 = no py-spy)")
     ap.add_argument("--in-process", action="store_true",
-                    help="the burst straight into the scheduler, no server (see above)")
+                    help="both workloads straight into the scheduler, no server (see above)")
+    ap.add_argument("--parts", action="store_true",
+                    help="time each part of the burst's prefill and decode steps, in process")
     args = ap.parse_args()
 
     import torch
@@ -223,6 +289,9 @@ def main() -> None:
     spy_bin = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     if args.rate and not os.path.exists(spy_bin):
         sys.exit("py-spy not found: pip install py-spy (or --rate 0)")
+    if args.parts:
+        parts(path, prompts, args.runs)
+        return
     if args.in_process:
         with tempfile.TemporaryDirectory() as tmp:
             in_process(path, prompts, args.runs, spy_bin, args.rate, tmp)

@@ -677,11 +677,13 @@ def test_lean_forward_equals_transformers_forward(arch, packed, tiny_model_path,
     does with the same attention, on the engine's layouts: a packed prefill (rows of
     different lengths), decode steps, then a padded multi-token suffix over the cache (the
     next turn of an episode) and more decode; the LM head in vocabulary slices, or every
-    matmul on oneDNN-packed weights (forced here: these models are below its size bar)."""
+    matmul on oneDNN-packed weights (forced here, on any CPU: these models are below its
+    size bar, and the engine packs only where the CPU has AVX-512)."""
     from transformers import DynamicCache
 
     from rollout.engines.hf import lean, packed_linear
 
+    monkeypatch.setattr(packed_linear, "pays_off", lambda: packed)
     monkeypatch.setattr(lean, "VOCAB_SLICE", 128)  # the test vocabularies are 300-456
     monkeypatch.setattr(packed_linear, "MIN_ELEMENTS", 0 if packed else 1 << 62)
     monkeypatch.setattr(packed_linear, "MIN_MACS", 0 if packed else 1 << 62)
@@ -804,15 +806,18 @@ def test_engine_start_imports_no_transformers_model_class(tiny_model_path):
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_lean_forward_logprobs_on_smollm2_match_a_fresh_forward():
+def test_lean_forward_logprobs_on_smollm2_match_a_fresh_forward(monkeypatch):
     """The 1e-4 log-prob contract on a real model, with everything the engine runs for it:
     packed prefill of mixed lengths, oneDNN-packed matmuls (SmolLM2's weights are over the
-    size bar), the C decode attention, decode steps over the cache, on the model the engine
-    builds (llama_family.py). Against transformers' plain forward (its default attention)
-    over each finished sequence, no cache."""
+    size bar; forced on a CPU without AVX-512, where the engine keeps MKL's, so that the
+    path AVX-512 machines run is checked on every CPU), the C decode attention, decode steps
+    over the cache, on the model the engine builds (llama_family.py). Against transformers'
+    plain forward (its default attention) over each finished sequence, no cache."""
     from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-    from rollout.engines.hf import lean, llama_family
+    from rollout.engines.hf import lean, llama_family, packed_linear
+
+    monkeypatch.setattr(packed_linear, "pays_off", lambda: True)
     from rollout.models import resolve_model_path
 
     path = resolve_model_path("smollm2-135m")

@@ -18,6 +18,10 @@ Small matmuls keep ``F.linear``: oneDNN's per-call overhead (~10 us) outweighs i
 below ~8M multiply-adds (tiny-qwen3's 128x384 weight at batch 64: 71 vs 69 us; at 512
 rows, a prefill, oneDNN is 1.14x faster). Also unpacked: other dtypes, weights that need
 grad under autograd, and ``HOMEGYM_NATIVE_KERNELS=0``.
+
+Packing is chosen at start-up by what the CPU has: oneDNN's kernels win with AVX-512 (the
+figures above) and lose without it. On a Zen 3 core (AVX2 only), SmolLM2's shapes: packed
+at 0.78-0.90x MKL's speed, decode and prefill alike (``scripts/bench_engine_kernels.py``).
 """
 
 from __future__ import annotations
@@ -58,11 +62,18 @@ def available() -> bool:
     return ok
 
 
-class PackedLinears:
-    """``F.linear(x, weight, bias)`` that runs packed copies of the large float32 weights."""
+@functools.lru_cache(maxsize=None)
+def pays_off() -> bool:
+    """Whether packing is faster than MKL on this CPU: where torch dispatches AVX-512."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
-    def __init__(self):
-        self.enabled = available()
+
+class PackedLinears:
+    """``F.linear(x, weight, bias)`` that runs packed copies of the large float32 weights.
+    ``enabled``: pack where oneDNN works and pays off on this CPU (the default), or force."""
+
+    def __init__(self, enabled: Optional[bool] = None):
+        self.enabled = available() and (pays_off() if enabled is None else enabled)
         self._packs: dict[int, tuple[tuple, torch.Tensor]] = {}  # id(weight) -> (key, packed)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
