@@ -64,6 +64,29 @@ async def run_engine(url: str, prompts, new_tokens: int) -> tuple[float, int]:
         return time.perf_counter() - t0, sum(counts)
 
 
+# The multi-turn shape's episodes, drawn from one random.Random in this order: an opening
+# prompt, then per turn its new-token count and, after the answer, the next prompt.
+def opening_prompt(rng, vocab: int) -> list[int]:
+    return [rng.randrange(10, vocab - 1) for _ in range(rng.randint(60, 100))]
+
+
+def turn_new_tokens(rng) -> int:
+    return rng.randint(5, 8)
+
+
+def next_prompt(rng, vocab: int, ids: list[int], answer: list[int]) -> list[int]:
+    """The conversation so far, the answer, then ~10 environment tokens."""
+    return ids + answer + [rng.randrange(10, vocab - 1) for _ in range(10)]
+
+
+def prefill_wave(batcher, reqs) -> None:
+    """Prefill ``reqs`` in this thread as the scheduler admits a wave: room made for all of
+    it at once, then its prefill chunks."""
+    batcher.kv.expect(len(batcher.rows) + len(reqs), max(len(r.input_ids) for r in reqs))
+    for chunk in batcher._prefill_chunks(reqs):
+        batcher._prefill(chunk)
+
+
 async def run_multiturn(url: str, episodes: int, turns: int, vocab: int, seed: int = 0):
     """The RL loop's shape: ``episodes`` concurrent games, each a chain of short turns
     (prompt ~60-150 tokens, 5-8 new tokens, then ~10 environment tokens appended)."""
@@ -75,17 +98,17 @@ async def run_multiturn(url: str, episodes: int, turns: int, vocab: int, seed: i
     latencies: list[float] = []
 
     async def episode(session, k):
-        ids = [rng.randrange(10, vocab - 1) for _ in range(rng.randint(60, 100))]
+        ids = opening_prompt(rng, vocab)
         new = 0
         for _ in range(turns):
             t0 = time.perf_counter()
             async with session.post(url + "/generate", json={
                     "input_ids": ids, "return_logprob": True,
-                    "sampling_params": {"max_new_tokens": rng.randint(5, 8), "temperature": 1.0,
+                    "sampling_params": {"max_new_tokens": turn_new_tokens(rng), "temperature": 1.0,
                                         "ignore_eos": True}}) as r:
                 body = await r.json()
             latencies.append(time.perf_counter() - t0)
-            ids = ids + body["output_ids"] + [rng.randrange(10, vocab - 1) for _ in range(10)]
+            ids = next_prompt(rng, vocab, ids, body["output_ids"])
             new += len(body["output_ids"])
         return new
 
@@ -213,19 +236,15 @@ def multiturn_bound(model, episodes: int, turns: int, vocab: int, repeat: int = 
 
     def run() -> float:
         batcher, rng = Batcher(model, None, set(), 4096), random.Random(0)
-        convs = [[rng.randrange(10, vocab - 1) for _ in range(rng.randint(60, 100))]
-                 for _ in range(episodes)]
+        convs = [opening_prompt(rng, vocab) for _ in range(episodes)]
         t0 = time.perf_counter()
         for _ in range(turns):
-            reqs = [Request(rid=str(k), input_ids=ids, max_new_tokens=rng.randint(5, 8),
+            reqs = [Request(rid=str(k), input_ids=ids, max_new_tokens=turn_new_tokens(rng),
                             ignore_eos=True, return_logprob=True) for k, ids in enumerate(convs)]
-            batcher.kv.expect(len(reqs), max(len(ids) for ids in convs))
-            for chunk in batcher._prefill_chunks(reqs):
-                batcher._prefill(chunk)
+            prefill_wave(batcher, reqs)
             while batcher.rows:
                 batcher._decode()
-            convs = [ids + r.output_ids + [rng.randrange(10, vocab - 1) for _ in range(10)]
-                     for ids, r in zip(convs, reqs)]
+            convs = [next_prompt(rng, vocab, ids, r.output_ids) for ids, r in zip(convs, reqs)]
         return time.perf_counter() - t0
 
     with torch.no_grad():

@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from bench_engine import make_prompts, run_engine, run_multiturn  # noqa: E402
+from bench_engine import (make_prompts, next_prompt, opening_prompt, prefill_wave,  # noqa: E402
+                          run_engine, run_multiturn, turn_new_tokens)
 
 # First match wins, in this order: (substring of a frame, part). Forward parts are looked
 # for only under the engine's forward call, the rest under the scheduler thread's loop.
@@ -173,15 +174,14 @@ def in_process(path: str, prompts, runs: int, spy_bin: str, rate: int, tmp: str)
                 if turn + 1 == turns:
                     left.release()
                 else:
-                    play(k, ids + r.output_ids + [rng.randrange(10, vocab - 1) for _ in range(10)],
-                         turn + 1)
+                    play(k, next_prompt(rng, vocab, ids, r.output_ids), turn + 1)
 
             batcher.submit(Request(rid=f"{k}-{turn}", input_ids=ids, ignore_eos=True,
-                                   max_new_tokens=rng.randint(5, 8), return_logprob=True,
+                                   max_new_tokens=turn_new_tokens(rng), return_logprob=True,
                                    on_done=done))
 
         for k in range(episodes):
-            play(k, [rng.randrange(10, vocab - 1) for _ in range(rng.randint(60, 100))], 0)
+            play(k, opening_prompt(rng, vocab), 0)
         for _ in range(episodes):
             left.acquire()
 
@@ -243,9 +243,7 @@ def parts(path: str, prompts, runs: int) -> None:
                         return_logprob=True) for i, p in enumerate(prompts)]
         spent.clear()
         t0 = time.perf_counter()
-        batcher.kv.expect(len(reqs), max(map(len, prompts)))
-        for chunk in batcher._prefill_chunks(reqs):
-            batcher._prefill(chunk)
+        prefill_wave(batcher, reqs)
         prefill = dict(spent, total=time.perf_counter() - t0)
         spent.clear()
         t0, steps = time.perf_counter(), 0
@@ -286,12 +284,12 @@ def main() -> None:
     path = resolve_model_path(args.model)
     vocab = AutoConfig.from_pretrained(path).vocab_size
     prompts = make_prompts(64, vocab, 8, 160)
+    if args.parts:  # no py-spy: it times the parts itself
+        parts(path, prompts, args.runs)
+        return
     spy_bin = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     if args.rate and not os.path.exists(spy_bin):
         sys.exit("py-spy not found: pip install py-spy (or --rate 0)")
-    if args.parts:
-        parts(path, prompts, args.runs)
-        return
     if args.in_process:
         with tempfile.TemporaryDirectory() as tmp:
             in_process(path, prompts, args.runs, spy_bin, args.rate, tmp)
