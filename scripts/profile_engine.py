@@ -8,12 +8,13 @@ burst (64 prompts x 32 new tokens) and its multi-turn RL shape (64 episodes x 8 
 ``--runs`` times each (a burst run is ``run_engine``'s, one request alone and then the
 burst). For each workload it prints the wall time per run, the CPU seconds
 per run of the engine process, the router process and this client, the engine's own
-prefill/decode seconds (``/server_info``), its scheduler and HTTP threads' CPU seconds and
-context switches, and a breakdown of the engine process's
-samples from py-spy (``pip install py-spy``, the ``bench`` extra; ``--rate 0`` skips it):
-the forward pass by part, the scheduler's work outside it, and the HTTP thread's.
-py-spy counts samples of running (non-idle) threads, so the shares are of the engine's
-CPU work, the scheduler thread and the HTTP thread together. ``--in-process`` runs both
+prefill/decode seconds (``/server_info``), the CPU seconds and context switches of its
+scheduler process's two threads (the scheduler; the main thread, which takes the HTTP
+front's requests off its channel) and the front's CPU seconds, and a breakdown of the
+engine's samples from py-spy (``pip install py-spy``, the ``bench`` extra; ``--rate 0``
+skips it): the forward pass by part, the scheduler's work outside it, the main thread's
+and the HTTP front's. py-spy counts samples of running (non-idle) threads, so the shares
+are of the engine's CPU work, both processes together. ``--in-process`` runs both
 workloads straight into the engine's scheduler (the Batcher) in this process instead, with
 no HTTP, router or client, and profiles that: the scheduler's share outside the forward
 pass without the serving path around it. ``--parts`` times each part of the burst's
@@ -56,9 +57,11 @@ SCHEDULER = (("_sample", "sampling"), ("_append_tokens", "token bookkeeping, fin
              ("_prefill (", "prefill inputs and cached pasts"), ("_decode (", "decode step glue"),
              ("_run_controls", "control commands"))
 HTTP = (("_text (", "detokenize"), ("_format (", "format response"),
-        ("_prompt_ids", "validate input_ids"), ("_sampling (", "sampling params"),
-        ("_body (", "read + parse JSON"), ("_json (", "write JSON"),
-        ("_settle_finished", "wake finished requests"), ("generate (", "generate handler, other"))
+        ("_prompt_ids", "validate input_ids"), ("sampling (", "sampling params"),
+        ("read_body (", "read + parse JSON"), ("json_response (", "write JSON"),
+        ("on_message (", "channel frames"), ("generate (", "generate handler, other"))
+MAIN = (("on_message (", "admit the front's requests"), ("_admit_remote", "admit the front's requests"),
+        ("_settle_finished", "answer finished requests"))
 
 
 def part(stack: str) -> str:
@@ -67,8 +70,11 @@ def part(stack: str) -> str:
             return "forward: " + next((name for key, name in FORWARD if key in stack),
                                       "other ops and glue")
         return "scheduler: " + next((name for key, name in SCHEDULER if key in stack), "loop")
-    return "HTTP thread: " + next((name for key, name in HTTP if key in stack),
-                                  "aiohttp + asyncio (or another thread)")
+    if "rollout/engines/hf/front.py" in stack:
+        return "HTTP front process: " + next((name for key, name in HTTP if key in stack),
+                                             "aiohttp + asyncio")
+    return "scheduler process, main thread: " + next(
+        (name for key, name in MAIN if key in stack), "asyncio (or another thread)")
 
 
 def breakdown(raw_path: str) -> list[tuple[str, float]]:
@@ -116,18 +122,19 @@ def thread_stats(pid: int) -> dict[int, tuple[float, int, int]]:
 
 
 def thread_report(pid: int, before: dict, after: dict, runs: int) -> str:
-    """The engine's HTTP thread (the main thread) and its busiest other (the scheduler)."""
+    """The scheduler process's main thread (the front's channel, the control routes) and
+    its busiest other (the scheduler)."""
     diff = {t: tuple((b - a) / runs for a, b in zip(before.get(t, (0, 0, 0)), after[t]))
             for t in after}
     sched = max((t for t in diff if t != pid), key=lambda t: diff[t][0])
     return "; ".join(f"{name} {diff[t][0]:.3f} CPU s, {diff[t][1]:.0f} voluntary and "
                      f"{diff[t][2]:.0f} involuntary switches"
-                     for name, t in (("scheduler thread", sched), ("HTTP thread", pid)))
+                     for name, t in (("scheduler thread", sched), ("main thread", pid)))
 
 
 def spy(spy_bin: str, pid: int, rate: int, raw: str) -> subprocess.Popen:
     proc = subprocess.Popen([spy_bin, "record", "-p", str(pid), "-r", str(rate), "-f", "raw",
-                             "-o", raw, "--threads", "--nonblocking"],
+                             "-o", raw, "--threads", "--nonblocking", "--subprocesses"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # py-spy attaches
     return proc
@@ -302,30 +309,36 @@ def main() -> None:
         try:
             router.start([engine.start()])
             epid, rpid = engine.pid(), router.proc.pid
+            with open(f"/proc/{epid}/task/{epid}/children") as f:
+                (fpid,) = map(int, f.read().split())  # the HTTP front (hf/front.py)
             asyncio.run(run_engine(router.url, prompts, 32))  # warm-up
             for name, job in workloads.items():
                 raw = os.path.join(tmp, "raw.txt")
                 proc = spy(spy_bin, epid, args.rate, raw) if args.rate else None
                 info0 = engine.client.server_info()
-                cpu0 = (cpu_seconds(epid), cpu_seconds(rpid), time.process_time())
+                cpu0 = (cpu_seconds(epid), cpu_seconds(rpid), time.process_time(),
+                        cpu_seconds(fpid))
                 threads0 = thread_stats(epid)
                 walls = []
                 for _ in range(args.runs):
                     t0 = time.perf_counter()
                     asyncio.run(job(router.url))
                     walls.append(time.perf_counter() - t0)
-                cpu1 = (cpu_seconds(epid), cpu_seconds(rpid), time.process_time())
+                cpu1 = (cpu_seconds(epid), cpu_seconds(rpid), time.process_time(),
+                        cpu_seconds(fpid))
                 threads1 = thread_stats(epid)
                 info1 = engine.client.server_info()
                 n = args.runs
-                e, r, c = ((b - a) / n for a, b in zip(cpu0, cpu1))
+                e, r, c, _ = ((b - a) / n for a, b in zip(cpu0, cpu1))
                 print(f"{name}: wall per run min {min(walls):.3f} s, median "
                       f"{statistics.median(walls):.3f} s; CPU s per run: engine {e:.3f}, "
                       f"router {r:.3f}, client {c:.3f}")
                 print("  engine's own: " + ", ".join(
                     f"{k} {(info1[k] - info0[k]) / n:.3f}"
                     for k in ("prefills", "prefill_s", "decode_steps", "decode_s")) + " per run")
-                print("  per run: " + thread_report(epid, threads0, threads1, n))
+                front = (cpu1[3] - cpu0[3]) / n
+                print("  per run: " + thread_report(epid, threads0, threads1, n) +
+                      f"; HTTP front process {front:.3f} CPU s")
                 if proc is not None:
                     report(proc, raw)
         finally:

@@ -362,11 +362,12 @@ def _servers() -> dict:
 
 
 def _supervised_by(pid: int, supervisors: set) -> bool:
-    """Whether ``pid``'s parent is one of ``supervisors`` (and still alive)."""
+    """Whether one of ``pid``'s ancestors is one of ``supervisors`` (and still alive): a
+    restarted engine's server and the HTTP front it forks belong to the engine's actor."""
     import psutil
 
     try:
-        return psutil.Process(pid).ppid() in supervisors
+        return any(p.pid in supervisors for p in psutil.Process(pid).parents())
     except psutil.Error:
         return False
 

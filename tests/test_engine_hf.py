@@ -205,6 +205,44 @@ def test_a_client_that_goes_away_frees_its_rows(engine, n):
     assert engine.client.server_info()["decode_steps"] - steps < CTX // 2
 
 
+@pytest.mark.subprocess
+@pytest.mark.parametrize("killed", ["front", "scheduler"])
+def test_the_engine_is_two_processes_and_either_death_ends_both(tiny_model_path, tmp_path, killed):
+    """The engine's HTTP front (hf/front.py) and its scheduler process serve together or
+    not at all: whichever is killed outright, the other exits, so that no half-engine
+    holds the model's memory or answers health checks on the engine's port."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen([sys.executable, "-m", "rollout.engines.hf.server", "--model-path",
+                             tiny_model_path, "--port", "0", "--port-file", str(port_file)],
+                            start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_for(port_file.exists, timeout_s=120, what="the engine to listen")
+        url = f"http://127.0.0.1:{port_file.read_text()}"
+        assert gen(type("E", (), {"url": url}), {"input_ids": [1, 2, 3], "sampling_params": {
+            "max_new_tokens": 2}})["meta_info"]["completion_tokens"] == 2
+        (front,) = psutil.Process(proc.pid).children()
+        os.kill(front.pid if killed == "front" else proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) != 0
+        psutil.wait_procs([front], timeout=30)
+        assert not front.is_running() or front.status() == psutil.STATUS_ZOMBIE
+        with pytest.raises(requests.ConnectionError):
+            requests.get(url + "/health", timeout=5)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
 @pytest.mark.parametrize("payload,needle", [
     ({"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
     ({"text": "hi", "sampling_params": {"top_p": 0}}, "top_p"),

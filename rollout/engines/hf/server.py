@@ -27,36 +27,29 @@ import functools
 import glob
 import logging
 import os
+import socket
 import sys
 import threading
-import time
 import uuid
 import zlib
 from typing import Any, Iterable, Optional
 
-import orjson
 import torch
 import uvloop
 from aiohttp import web
 
 from rollout.checkpoints import is_vlm, read_config
-from rollout.engines.hf import fast_kernels, llama_family
+from rollout.engines.hf import fast_kernels, front, llama_family
 from rollout.engines.hf.batcher import Batcher, Request
+from rollout.engines.hf.channel import Channel
+from rollout.engines.hf.httpio import BadRequest, error_response, guard, json_response, log, read_body
 from rollout.engines.client import PINNED_SGLANG_VERSION, SUPPORTED_SGLANG_VERSIONS
 from rollout.engines.weights_io import deserialize_named_tensors, init_custom_process_group
 
 # How long a weight-update receive waits for the trainer's broadcast (init_weights_update_group).
 WEIGHT_GROUP_TIMEOUT_S = 60.0
 
-log = logging.getLogger("homegym.hf_server")
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Routes that answer without the api key (SGLang leaves /health open for probes).
-OPEN_ROUTES = {"/health"}
-# The routes whose handler is cancelled when its client goes away, which aborts the
-# request's rows (`Server._run`), as SGLang aborts a disconnected client's request. Every
-# other handler runs to its end (a weight update half-recorded helps no one).
-CANCELLABLE_ROUTES = {"/generate", "/v1/chat/completions", "/v1/completions"}
 # Versions whose tensor / distributed weight updates need a weight-update session.
 SESSION_VERSIONS = {"0.5.23"}
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -68,10 +61,6 @@ VLM_TEXT_PREFIX = "model.language_model."
 VLM_SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 BUSY = ("requests are still running or queued; retract or finish them first "
         "(When there are running or waiting requests, the operation will not be performed.)")
-
-
-class BadRequest(ValueError):
-    """A client mistake: answered with HTTP 400 and this message."""
 
 
 class StartupError(RuntimeError):
@@ -89,55 +78,6 @@ def perturb(named: Iterable[tuple[str, torch.Tensor]], scale: float) -> None:
             gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
             eps = torch.randn(tuple(tensor.shape), generator=gen, dtype=torch.float32)
             tensor.mul_((1.0 + scale * eps).to(tensor.dtype))
-
-
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
-
-
-def _error(message: str, status: int = 400) -> web.Response:
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-            405: "MethodNotAllowed", 503: "ServiceUnavailable"}.get(status, "Error")
-    return _json({"error": {"message": message, "type": kind, "code": status},
-                  "success": False, "message": message}, status)
-
-
-async def _all(jobs: list) -> list:
-    """``asyncio.gather`` of the jobs, but a lone one awaited in place: gather wraps each in
-    a task, 17 us a request on this path (a generate request's HTTP work is ~350 us) for
-    the usual n=1. A client that goes away cancels the lone job as it would a gathered one."""
-    if len(jobs) == 1:
-        return [await jobs[0]]
-    return await asyncio.gather(*jobs)
-
-
-async def _body(request: web.Request) -> dict:
-    raw = await request.read()
-    if not raw:
-        return {}
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise BadRequest("request body must be a JSON object")
-    return data
-
-
-def _num(params: dict, key: str, default, kind=float, lo=None, hi=None, lo_open=False):
-    value = params.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            kind is int and not float(value).is_integer()):
-        raise BadRequest(f"sampling_params.{key} must be {'an integer' if kind is int else 'a number'} "
-                         f"(got {value!r})")
-    value = kind(value)
-    if lo is not None and (value <= lo if lo_open else value < lo):
-        raise BadRequest(f"sampling_params.{key} must be {'>' if lo_open else '>='} {lo} (got {value})")
-    if hi is not None and value > hi:
-        raise BadRequest(f"sampling_params.{key} must be <= {hi} (got {value})")
-    return value
 
 
 def routes(contract_version: str) -> list[tuple[str, str, str]]:
@@ -216,8 +156,9 @@ class Server:
         self.released_tags: set[str] = set()
         self.contract_version = args.contract_version
         self.weight_session = False  # open /begin_weight_update session (0.5.23)
-        # Finished requests waiting for the event loop; one wake-up per batch of them.
-        self._finished: list[tuple[asyncio.Future, Request]] = []
+        # Finished requests waiting for the event loop, with their waiter (a future, or the
+        # key of the front's request); one wake-up and one frame per batch of them.
+        self._finished: list[tuple[Any, Request]] = []
         self._finished_lock = threading.Lock()
         # SGLang's pause: new generation requests wait in the HTTP layer (its tokenizer
         # manager, managers/tokenizer_manager.py:804-805 in 0.5.18), so they never reach
@@ -228,16 +169,19 @@ class Server:
         # Set whenever requests finish: a deferred flush (/flush_cache?timeout=) re-checks.
         self._settled = asyncio.Event()
         self._flush_pending = False
+        self.channel: Optional[Channel] = None  # to the front (front.py)
+        # The front's requests by its key: the rid of one admitted, or the task of one
+        # held while paused.
+        self._remote: dict[int, Any] = {}
 
     # ---- plumbing ----
-    def _request_finished(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future,
-                          req: Request) -> None:
+    def _request_finished(self, loop: asyncio.AbstractEventLoop, waiter, req: Request) -> None:
         """Called on the scheduler thread. A decode step often finishes several requests
         at once; one loop wake-up (a pipe write) serves all of them. py-spy on the
         engine in bench_vs_trl's multi-turn run: wake-ups took 5.6% of the scheduler
         thread's time one per request, 4.0% batched."""
         with self._finished_lock:
-            self._finished.append((fut, req))
+            self._finished.append((waiter, req))
             first = len(self._finished) == 1
         if first:
             loop.call_soon_threadsafe(self._settle_finished)
@@ -245,9 +189,15 @@ class Server:
     def _settle_finished(self) -> None:
         with self._finished_lock:
             done, self._finished = self._finished, []
-        for fut, req in done:
-            if not fut.done():
-                fut.set_result(req)
+        answers = []
+        for waiter, req in done:
+            if isinstance(waiter, int):  # the front's request of this key
+                if self._remote.pop(waiter, None) is not None:
+                    answers.append(self._result(waiter, req))
+            elif not waiter.done():
+                waiter.set_result(req)
+        if answers:
+            self.channel.send(answers)
         self._settled.set()
 
     async def on_scheduler(self, fn):
@@ -269,245 +219,121 @@ class Server:
         return await fut
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self.middleware], client_max_size=1 << 30)
+        """The control routes: every route but the front's generation routes."""
+        app = web.Application(middlewares=[guard(self.args.api_key)], client_max_size=1 << 30)
         for method, path, handler in routes(self.contract_version):
-            app.router.add_route(method, path, getattr(self, handler))
+            if handler not in front.GENERATION_HANDLERS:
+                app.router.add_route(method, path, getattr(self, handler))
         return app
 
-    @web.middleware
-    async def middleware(self, request: web.Request, handler):
-        key = self.args.api_key
-        if key and request.path not in OPEN_ROUTES:
-            if request.headers.get("Authorization", "") != f"Bearer {key}":
-                return _error("missing or wrong api key (send 'Authorization: Bearer <key>')", 401)
+    # ---- the front's generation requests ----
+    def info(self) -> dict:
+        """What the front needs to validate prompts."""
+        return {"vocab_size": self.vocab_size, "max_context_len": self.max_context_len}
+
+    def on_message(self, msg: dict) -> None:
+        """A request from the front, or its cancellation (its client went away). Admitted
+        in place, without a task: the front's requests are this process's only per-request
+        Python work besides the scheduler's."""
+        key = msg["k"]
+        if "cancel" in msg:
+            job = self._remote.pop(key, None)
+            if isinstance(job, asyncio.Task):
+                job.cancel()
+            elif job is not None:
+                self.batcher.abort(rid=job)
+            return
+        if self._unpaused.is_set():
+            self._admit_remote(key, msg)
+        else:
+            self._remote[key] = asyncio.ensure_future(self._when_unpaused(key, msg))
+
+    async def _when_unpaused(self, key: int, msg: dict) -> None:
         try:
-            if request.path in CANCELLABLE_ROUTES:
-                return await handler(request)
-            return await asyncio.shield(handler(request))
-        except BadRequest as exc:
-            return _error(str(exc), 400)
-        except web.HTTPException as exc:  # unknown route / wrong method -> JSON, not HTML
-            if exc.status == 404 and request.path in ("/get_weight_version", "/weight_version"):
-                return _error(f"Endpoint '{request.path}' is deprecated. Please use "
-                              "'/model_info' instead.", 404)
-            if exc.status == 404:
-                return _error(f"unknown route {request.method} {request.path}", 404)
-            return _error(f"{exc.reason} for {request.method} {request.path}", exc.status)
-        except Exception as exc:  # a bug must not take the server down
-            log.exception("error in %s", request.path)
-            return _error(f"internal error: {type(exc).__name__}: {exc}", 500)
+            await self._while_paused()
+        except asyncio.CancelledError:  # its client went away
+            return
+        self._admit_remote(key, msg)
+
+    def _admit_remote(self, key: int, msg: dict) -> None:
+        self._remote[key] = msg["rid"]
+        try:
+            self._admit(msg["ids"], msg["sp"], msg["rid"], msg["lp"], msg["g"],
+                        functools.partial(self._request_finished, asyncio.get_running_loop(), key))
+        except web.HTTPServiceUnavailable as exc:
+            del self._remote[key]
+            self.channel.send([{"k": key, "error": [503, exc.reason]}])
+        except Exception as exc:  # a bug: the front answers 500, the channel stays up
+            log.exception("error in a generation request")
+            del self._remote[key]
+            self.channel.send([{"k": key, "error": [500, f"{type(exc).__name__}: {exc}"]}])
+
+    @staticmethod
+    def _result(key: int, req: Request) -> dict:
+        return {"k": key, "req": {
+            "rid": req.rid, "prompt_tokens": len(req.input_ids), "output_ids": req.output_ids,
+            "logprobs": req.logprobs, "return_logprob": req.return_logprob,
+            "finish_reason": req.finish_reason, "cached_tokens": req.cached_tokens,
+            "weight_version": req.weight_version, "weight_versions": req.weight_versions,
+            "matched_stop": req.matched_stop}}
+
+    @staticmethod
+    def front_gone() -> None:
+        log.error("the engine's HTTP front exited; stopping")
+        os._exit(1)
 
     # ---- generation ----
-    def _sampling(self, sp: Any) -> dict:
-        if sp is None:
-            sp = {}
-        if not isinstance(sp, dict):
-            raise BadRequest("sampling_params must be a JSON object")
-        stop = sp.get("stop") or ()
-        if isinstance(stop, str):
-            stop = (stop,)
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise BadRequest("sampling_params.stop must be a string or a list of strings")
-        stop_ids = sp.get("stop_token_ids") or ()
-        if not isinstance(stop_ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-            raise BadRequest("sampling_params.stop_token_ids must be a list of integers")
-        top_k = _num(sp, "top_k", -1, int)
-        if top_k == 0 or top_k < -1:
-            raise BadRequest(f"sampling_params.top_k must be -1 (off) or >= 1 (got {top_k})")
-        seed = sp.get("seed", sp.get("sampling_seed"))
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise BadRequest(f"sampling_params.seed must be an integer (got {seed!r})")
-        ignore_eos = sp.get("ignore_eos", False)
-        if not isinstance(ignore_eos, bool):
-            raise BadRequest("sampling_params.ignore_eos must be a boolean")
-        return dict(
-            temperature=_num(sp, "temperature", 1.0, float, lo=0.0),
-            top_p=_num(sp, "top_p", 1.0, float, lo=0.0, hi=1.0, lo_open=True),
-            top_k=top_k,
-            max_new_tokens=_num(sp, "max_new_tokens", 128, int, lo=0),
-            n=_num(sp, "n", 1, int, lo=1, hi=1024),
-            stop=tuple(s for s in stop if s),
-            stop_token_ids=frozenset(stop_ids),
-            seed=seed,
-            ignore_eos=ignore_eos,
-        )
-
-    def _prompt_ids(self, text, input_ids) -> list[int]:
-        if input_ids is not None:
-            # type() is int, not isinstance: JSON's true/false are not token ids; and half
-            # the per-token cost (a generate request's validation, 250 ids: 40 -> 18 us).
-            if not isinstance(input_ids, list) or not all(type(t) is int for t in input_ids):
-                raise BadRequest("input_ids must be a list of integers")
-            ids = input_ids
-        elif isinstance(text, str):
-            ids = self.tokenizer.encode(text)
+    def _admit(self, ids: list[int], sp: dict, rid: str, return_logprob: bool,
+               group_rid: Optional[str], on_done) -> None:
+        """One sequence to the batcher; ``on_done(req)`` on the scheduler thread when it
+        ends. Refused (503) while the weights are released."""
+        if self.weights_need_update or self.released_tags:
+            raise web.HTTPServiceUnavailable(reason="memory released; /resume_memory_occupation "
+                                                    "and push weights before generating")
+        req = Request(rid=rid, input_ids=ids, max_new_tokens=sp["max_new_tokens"],
+                      temperature=sp["temperature"], top_p=sp["top_p"], top_k=sp["top_k"],
+                      stop_token_ids=frozenset(sp["stop_token_ids"]), stop=tuple(sp["stop"]),
+                      ignore_eos=sp["ignore_eos"], seed=sp["seed"],
+                      return_logprob=return_logprob, group_rid=group_rid, on_done=on_done)
+        if req.max_new_tokens == 0:
+            req.finish_reason = {"type": "length", "length": 0}
+            req.weight_version = self.batcher.weight_version
+            on_done(req)
         else:
-            raise BadRequest("give either 'text' (a string) or 'input_ids' (a list of token ids)")
-        if not ids:
-            raise BadRequest("the prompt is empty")
-        if len(ids) >= self.max_context_len:
-            raise BadRequest(f"the prompt has {len(ids)} tokens; this server's context length is "
-                             f"{self.max_context_len} (prompt + new tokens)")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            bad = [t for t in ids if t < 0 or t >= self.vocab_size]
-            raise BadRequest(f"input_ids contains ids outside the vocabulary [0, {self.vocab_size}): "
-                             f"{bad[:5]}")
-        return ids
+            self.batcher.submit(req)
 
-    async def _run(self, ids: list[int], sp: dict, rid: str, return_logprob: bool,
-                   group_rid: Optional[str] = None) -> Request:
-        if not self._unpaused.is_set():  # held while paused, as SGLang holds them
+    async def _while_paused(self) -> None:
+        """New generation requests wait here while generation is paused, as SGLang's
+        tokenizer manager holds them."""
+        if not self._unpaused.is_set():
             self._held += 1
             try:
                 await self._unpaused.wait()
             finally:
                 self._held -= 1
-        if self.weights_need_update or self.released_tags:
-            raise web.HTTPServiceUnavailable(reason="memory released; /resume_memory_occupation "
-                                                    "and push weights before generating")
+
+    async def _run(self, ids: list[int], sp: dict, rid: str, return_logprob: bool,
+                   group_rid: Optional[str] = None) -> Request:
+        await self._while_paused()
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-
-        req = Request(rid=rid, input_ids=ids, max_new_tokens=sp["max_new_tokens"],
-                      temperature=sp["temperature"], top_p=sp["top_p"], top_k=sp["top_k"],
-                      stop_token_ids=sp["stop_token_ids"], stop=sp["stop"],
-                      ignore_eos=sp["ignore_eos"], seed=sp["seed"],
-                      return_logprob=return_logprob, group_rid=group_rid,
-                      on_done=functools.partial(self._request_finished, loop, fut))
-        if req.max_new_tokens == 0:
-            req.finish_reason = {"type": "length", "length": 0}
-            req.weight_version = self.batcher.weight_version
-            return req
-        self.batcher.submit(req)
+        self._admit(ids, sp, rid, return_logprob, group_rid,
+                    functools.partial(self._request_finished, loop, fut))
         try:
             return await fut
         except asyncio.CancelledError:  # client went away: free the row
             self.batcher.abort(rid=rid)
             raise
 
-    def _text(self, req: Request) -> str:
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        if req.matched_stop:  # SGLang trims the matched stop string from the text
-            cut = text.find(req.matched_stop)
-            if cut >= 0:
-                text = text[:cut]
-        return text
-
-    def _format(self, req: Request, t0: float) -> dict:
-        meta = {"id": req.rid, "finish_reason": req.finish_reason,
-                "prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids),
-                "cached_tokens": req.cached_tokens, "weight_version": req.weight_version,
-                "weight_versions": req.weight_versions or [req.weight_version],
-                "e2e_latency": time.perf_counter() - t0}
-        if req.return_logprob:
-            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in
-                                             zip(req.logprobs, req.output_ids)]
-            meta["input_token_logprobs"] = []
-        return {"text": self._text(req), "output_ids": req.output_ids, "meta_info": meta}
-
-    async def generate(self, request: web.Request) -> web.Response:
-        t0 = time.perf_counter()
-        body = await _body(request)
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported by the hf engine")
-        text, input_ids = body.get("text"), body.get("input_ids")
-        if text is None and input_ids is None and isinstance(body.get("prompt"), str):
-            text = body["prompt"]
-        batch = (isinstance(text, list) or (isinstance(input_ids, list) and input_ids
-                                            and isinstance(input_ids[0], list)))
-        if input_ids is not None:  # token ids win; never tokenize when they are given
-            prompts = [self._prompt_ids(None, i) for i in (input_ids if batch else [input_ids])]
-        else:
-            prompts = [self._prompt_ids(t, None) for t in (text if batch else [text])]
-        sps = body.get("sampling_params")
-        sps = sps if isinstance(sps, list) else [sps] * len(prompts)
-        if len(sps) != len(prompts):
-            raise BadRequest("sampling_params list must have one entry per prompt")
-        params = [self._sampling(s) for s in sps]
-        rids = body.get("rid")
-        rids = rids if isinstance(rids, list) else [rids] * len(prompts)
-        return_logprob = bool(body.get("return_logprob", False))
-        jobs = []
-        for ids, sp, rid in zip(prompts, params, rids):
-            if len(ids) + 1 > self.max_context_len:
-                raise BadRequest("prompt leaves no room for new tokens in the context")
-            for k in range(sp["n"]):
-                r = str(rid) if rid is not None else uuid.uuid4().hex
-                if sp["n"] > 1:
-                    r = f"{r}-{k}" if rid is not None else r
-                jobs.append(self._run(ids, sp, r, return_logprob,
-                                      str(rid) if rid is not None and sp["n"] > 1 else None))
-        reqs = await _all(jobs)
-        out = [self._format(r, t0) for r in reqs]
-        return _json(out if (batch or len(out) > 1) else out[0])
-
-    async def chat_completions(self, request: web.Request) -> web.Response:
-        body = await _body(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and "role" in m for m in messages):
-            raise BadRequest("messages must be a non-empty list of {role, content} objects")
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise BadRequest("chat_template_kwargs must be an object")
-        try:
-            prompt = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                        add_generation_prompt=True, **kwargs)
-        except Exception as exc:
-            raise BadRequest(f"could not apply the chat template: {exc}") from None
-        return await self._openai_completion(body, prompt, chat=True)
-
-    async def completions(self, request: web.Request) -> web.Response:
-        body = await _body(request)
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise BadRequest("prompt must be a string (token-id and batched prompts: use /generate)")
-        return await self._openai_completion(body, prompt, chat=False)
-
-    async def _openai_completion(self, body: dict, prompt: str, *, chat: bool) -> web.Response:
-        """OpenAI's chat.completion / text_completion for one rendered prompt."""
-        t0 = time.perf_counter()
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported by the hf engine")
-        ids = self._prompt_ids(None, self.tokenizer.encode(prompt, add_special_tokens=False))
-        sp = {k: body[k] for k in ("temperature", "top_p", "top_k", "n", "stop", "seed")
-              if body.get(k) is not None}
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        sp["max_new_tokens"] = max_tokens if max_tokens is not None else \
-            self.max_context_len - len(ids)
-        sp = self._sampling(sp)
-        sp["max_new_tokens"] = min(sp["max_new_tokens"], self.max_context_len - len(ids))
-        rid = uuid.uuid4().hex
-        reqs = await _all([self._run(ids, sp, f"{rid}-{k}", False) for k in range(sp["n"])])
-        choices = []
-        for k, r in enumerate(reqs):
-            kind = r.finish_reason["type"]
-            choice = {"index": k, "finish_reason": {"stop": "stop", "length": "length"}.get(kind, kind)}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": self._text(r)}
-            else:
-                choice.update(text=self._text(r), logprobs=None)
-            choices.append(choice)
-        completion = sum(len(r.output_ids) for r in reqs)
-        return _json({"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
-                      "object": "chat.completion" if chat else "text_completion",
-                      "created": int(time.time()),
-                      "model": body.get("model") or self.model_path, "choices": choices,
-                      "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
-                                "total_tokens": len(ids) + completion},
-                      "metadata": {"weight_version": reqs[0].weight_version,
-                                   "latency_s": time.perf_counter() - t0}})
-
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await read_body(request)
         if body.get("abort_all"):
             self.batcher.abort(abort_all=True)
         elif body.get("rid"):
             self.batcher.abort(rid=str(body["rid"]))
         else:
             raise BadRequest("give 'rid' or 'abort_all': true")
-        return _json({"success": True})
+        return json_response({"success": True})
 
     # ---- info ----
     async def health(self, request):
@@ -515,20 +341,20 @@ class Server:
 
     async def health_generate(self, request):
         if self.weights_need_update or self.released_tags:
-            return _error("weights released", 503)
-        sp = self._sampling({"max_new_tokens": 1, "temperature": 0})
+            return error_response("weights released", 503)
+        sp = front.sampling({"max_new_tokens": 1, "temperature": 0})
         await self._run([self.eos_ids and min(self.eos_ids) or 0], sp, "health-" + uuid.uuid4().hex, False)
         return web.Response(text="")
 
     async def model_info(self, request):
-        return _json({"model_path": self.model_path, "tokenizer_path": self.args.tokenizer_path
+        return json_response({"model_path": self.model_path, "tokenizer_path": self.args.tokenizer_path
                       or self.model_path, "is_generation": True, "preferred_sampling_params": None,
                       "weight_version": self.batcher.weight_version, "has_image_understanding": False,
                       "has_audio_understanding": False, "model_type": self.model.config.model_type,
                       "architectures": getattr(self.model.config, "architectures", None)})
 
     async def server_info(self, request):
-        return _json({"version": self.contract_version, "engine": "homegym-hf",
+        return json_response({"version": self.contract_version, "engine": "homegym-hf",
                       "model_path": self.model_path,
                       "context_length": self.max_context_len, "max_context_len": self.max_context_len,
                       "dtype": self.args.dtype, "weight_version": self.batcher.weight_version,
@@ -542,7 +368,7 @@ class Server:
                       self.args.max_running_requests, "api_key_required": bool(self.args.api_key)})
 
     async def v1_models(self, request):
-        return _json({"object": "list", "data": [{"id": self.model_path, "object": "model",
+        return json_response({"object": "list", "data": [{"id": self.model_path, "object": "model",
                                                   "owned_by": "homegym"}]})
 
     def _flush_if_idle(self) -> bool:
@@ -595,7 +421,7 @@ class Server:
                 pass
 
     async def pause_generation(self, request):
-        body = await _body(request)
+        body = await read_body(request)
         mode = body.get("mode", "abort")
         if mode not in ("abort", "in_place", "retract"):
             raise BadRequest("mode must be abort, in_place or retract")
@@ -603,44 +429,44 @@ class Server:
         if mode == "abort":
             self.batcher.abort(abort_all=True)
         await self.on_scheduler(lambda: setattr(self.batcher, "paused", True))
-        return _json({"success": True})
+        return json_response({"success": True})
 
     async def continue_generation(self, request):
         self.batcher.paused = False
         self.batcher.wakeup.set()
         self._unpaused.set()
-        return _json({"success": True})
+        return json_response({"success": True})
 
     async def get_weights_by_name(self, request):
-        body = await _body(request)
+        body = await read_body(request)
         name = self._engine_name(body.get("name"))
         if self.args.weight_noise:
             # What it serves is not what it was sent: the sender's check would fail. The
             # client takes this error as "cannot report" and verifies by version only.
-            return _error("weights perturbed by --weight-noise (rollout.weight_noise) are "
+            return error_response("weights perturbed by --weight-noise (rollout.weight_noise) are "
                           "not reported", 400)
         sd = self.model.state_dict()
         if name not in sd:
-            return _error("Get parameter by name failed", 400)
+            return error_response("Get parameter by name failed", 400)
         trunc = int(body.get("truncate_size", 100))
         # Slice before the cast: the embedding cast whole is 100+ MB for four rows.
-        return _json(sd[name][:trunc].to(torch.float32).tolist())
+        return json_response(sd[name][:trunc].to(torch.float32).tolist())
 
     async def begin_weight_update(self, request):
-        await _body(request)
+        await read_body(request)
         if self.weight_session:
-            return _json({"success": False, "message": "a weight-update session is already "
+            return json_response({"success": False, "message": "a weight-update session is already "
                           "open; call end_weight_update() first"}, 400)
         self.weight_session = True
-        return _json({"success": True, "message": "Success"})
+        return json_response({"success": True, "message": "Success"})
 
     async def end_weight_update(self, request):
-        await _body(request)
+        await read_body(request)
         if not self.weight_session:
-            return _json({"success": False, "message": "no weight-update session is open; "
+            return json_response({"success": False, "message": "no weight-update session is open; "
                           "call begin_weight_update() first"}, 400)
         self.weight_session = False
-        return _json({"success": True, "message": "Success"})
+        return json_response({"success": True, "message": "Success"})
 
     def _check_session(self, route: str) -> None:
         if self.contract_version in SESSION_VERSIONS and not self.weight_session:
@@ -693,12 +519,12 @@ class Server:
 
     async def _weights_call(self, fn) -> web.Response:
         try:
-            return _json(await self.on_scheduler(fn))
+            return json_response(await self.on_scheduler(fn))
         except BadRequest as exc:
-            return _json({"success": False, "message": str(exc)}, 400)
+            return json_response({"success": False, "message": str(exc)}, 400)
 
     async def update_weights_from_tensor(self, request):
-        body = await _body(request)
+        body = await read_body(request)
         self._check_session("update_weights_from_tensor")
         payload = body.get("serialized_named_tensors")
         if not (isinstance(payload, list) and payload and all(isinstance(p, str) for p in payload)):
@@ -712,7 +538,7 @@ class Server:
         return await self._weights_call(lambda: self._apply(named, body))
 
     async def update_weights_from_disk(self, request):
-        body = await _body(request)
+        body = await read_body(request)
         path = body.get("model_path")
         if not isinstance(path, str) or not os.path.isdir(path):
             raise BadRequest(f"model_path must be an existing checkpoint directory (got {path!r})")
@@ -737,7 +563,7 @@ class Server:
         return await self._weights_call(lambda: self._apply(named, body))
 
     async def init_weights_update_group(self, request):
-        body = await _body(request)
+        body = await read_body(request)
         for key in ("master_address", "master_port", "rank_offset", "world_size"):
             if key not in body:
                 raise BadRequest(f"missing field {key!r}")
@@ -755,24 +581,24 @@ class Server:
                                          int(body["world_size"]), int(body["rank_offset"]), name,
                                          timeout_s=WEIGHT_GROUP_TIMEOUT_S)
         except Exception as exc:
-            return _json({"success": False, "message": f"init_weights_update_group failed: {exc}"}, 400)
+            return json_response({"success": False, "message": f"init_weights_update_group failed: {exc}"}, 400)
         self.groups[name] = pg
-        return _json({"success": True, "message": f"joined {name} as rank {body['rank_offset']}"})
+        return json_response({"success": True, "message": f"joined {name} as rank {body['rank_offset']}"})
 
     async def destroy_weights_update_group(self, request):
-        body = await _body(request)
+        body = await read_body(request)
         name = body.get("group_name", "weight_update_group")
         pg = self.groups.pop(name, None)
         if pg is None:
             raise BadRequest(f"no weights update group {name!r}")
         import torch.distributed as dist
         dist.destroy_process_group(pg)
-        return _json({"success": True})
+        return json_response({"success": True})
 
     async def update_weights_from_distributed(self, request):
         import torch.distributed as dist
 
-        body = await _body(request)
+        body = await read_body(request)
         self._check_session("update_weights_from_distributed")
         name = body.get("group_name", "weight_update_group")
         pg = self.groups.get(name)
@@ -809,7 +635,7 @@ class Server:
         return set(tags)
 
     async def release_memory(self, request):
-        tags = self._tags(await _body(request))
+        tags = self._tags(await read_body(request))
 
         def release():
             if self.batcher.num_running:
@@ -835,10 +661,10 @@ class Server:
         # only matters when the released weights are big (refcounting frees the rest).
         if sum(s.numel() * d.itemsize for s, d in (self.released_shapes or {}).values()) > 256 << 20:
             gc.collect()
-        return _json(None)
+        return json_response(None)
 
     async def resume_memory(self, request):
-        tags = self._tags(await _body(request))
+        tags = self._tags(await read_body(request))
 
         def resume():
             if self.released_shapes is not None and "weights" in tags:
@@ -854,7 +680,7 @@ class Server:
             return None
 
         await self.on_scheduler(resume)
-        return _json(None)
+        return json_response(None)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -890,20 +716,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, channel_sock: socket.socket,
+                control_sock: socket.socket) -> None:
     server = Server(args)
     server.batcher.start()
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    if args.port_file:
-        tmp = args.port_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(port))
-        os.replace(tmp, args.port_file)  # readers never see a half-written file
-    log.warning("hf engine serving %s on http://%s:%d", args.model_path, args.host, port)
+    await web.SockSite(runner, control_sock).start()
+    server.channel = await Channel.open(channel_sock, server.on_message, server.front_gone)
+    server.channel.send([{"hello": server.info()}])  # the front opens the engine's port
     await asyncio.Event().wait()
 
 
@@ -913,11 +734,20 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.torch_threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)  # router's HTTP/2 probe
+    # The HTTP front (front.py) is forked before the model loads and before any thread
+    # starts: it shares this process's imports instead of paying them again.
+    control = socket.create_server(("127.0.0.1", 0))
+    front_end, scheduler_end = socket.socketpair()
+    if os.fork() == 0:
+        control_port = control.getsockname()[1]
+        control.close()
+        scheduler_end.close()
+        front.run(args, front_end, control_port, routes(args.contract_version))
+    front_end.close()
     try:
-        # libuv's event loop: the HTTP thread's per-request socket, selector and callback
-        # work in C rather than asyncio's Python (docs/performance.md, "Where the engine's
-        # time goes").
-        uvloop.run(serve(args))
+        # libuv's event loop: the control server's and the channel's socket and callback
+        # work in C rather than asyncio's Python.
+        uvloop.run(serve(args, scheduler_end, control))
     except KeyboardInterrupt:
         pass
     except StartupError as exc:
