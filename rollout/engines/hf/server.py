@@ -14,9 +14,13 @@ busy server, and under 0.5.23 tensor and distributed weight updates need a sessi
 also talks to SGLang relies on: ``meta_info.weight_versions`` (every version a partial
 rollout's tokens came from) and the engine statistics in ``/server_info``.
 
-The model runs on one scheduler thread with continuous batching (see batcher.py); this
-module is the HTTP layer: parse and validate, hand requests to the batcher, format SGLang's
-responses. Requests with ``input_ids`` are never tokenized; JSON goes through orjson.
+The engine is two processes. This one, the scheduler process, owns the model: its
+batcher thread runs continuous batching (batcher.py), and its main thread serves the
+control routes (weights, flush, pause, memory, info) on a loopback port and admits the
+generation requests that the HTTP front (front.py, forked from it at start-up) sends over
+a socket. The front listens on the engine's port: it parses, validates and tokenizes, and
+formats SGLang's responses; control requests it passes on here as they came. Requests
+with ``input_ids`` are never tokenized; JSON goes through orjson.
 """
 
 from __future__ import annotations
