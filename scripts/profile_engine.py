@@ -197,6 +197,7 @@ def in_process(path: str, prompts, runs: int, spy_bin: str, rate: int, tmp: str)
         raw = os.path.join(tmp, "raw.txt")
         proc = spy(spy_bin, os.getpid(), rate, raw) if rate else None
         walls, c0 = [], time.process_time()
+        stats0 = dict(batcher.stats, decode_steps=batcher.steps)
         for _ in range(runs):
             t0 = time.perf_counter()
             job()
@@ -204,6 +205,10 @@ def in_process(path: str, prompts, runs: int, spy_bin: str, rate: int, tmp: str)
         print(f"{name} in process, no HTTP: wall per run min {min(walls):.3f} s, median "
               f"{statistics.median(walls):.3f} s; CPU s per run "
               f"{(time.process_time() - c0) / runs:.3f}")
+        stats1 = dict(batcher.stats, decode_steps=batcher.steps)
+        print("  engine's own: " + ", ".join(
+            f"{k} {(stats1[k] - stats0[k]) / runs:.3f}"
+            for k in ("prefills", "prefill_s", "decode_steps", "decode_s")) + " per run")
         if proc is not None:
             report(proc, raw)
     batcher.stop()
