@@ -334,12 +334,16 @@ def run(args: argparse.Namespace, channel_sock: socket.socket, control_port: int
         routes: list[tuple[str, str, str]]) -> None:
     """The front process's life, in the child forked by server.main; never returns."""
     _exit_with_parent()
-    code = 0
+
+    async def serve() -> None:
+        try:
+            await _serve(args, channel_sock, control_port, routes)
+        except Exception:  # logged while the channel is still open: before the scheduler's
+            log.exception("the engine's HTTP front failed")  # "front exited" line
+            os._exit(1)
+
     try:
-        uvloop.run(_serve(args, channel_sock, control_port, routes))
+        uvloop.run(serve())
     except KeyboardInterrupt:
         pass
-    except BaseException:
-        log.exception("the engine's HTTP front failed")
-        code = 1
-    os._exit(code)  # never the parent's atexit handlers or buffered output
+    os._exit(0)  # never the parent's atexit handlers or buffered output
