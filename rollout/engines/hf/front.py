@@ -7,8 +7,8 @@ tokenizes generation requests, hands each to the scheduler as one small frame ov
 socket (channel.py), and formats SGLang's answers; every other route it passes to the
 scheduler's control server as it came. Why two: in one process the HTTP thread's ~350 us
 of Python per request took the GIL from the scheduler thread between torch ops, 750-950
-times a multi-turn run (docs/performance.md, "Where the engine's time goes"); SGLang
-splits its tokenizer manager from its scheduler for the same reason.
+times a multi-turn run (docs/performance.md, "Where the engine's time goes"). SGLang, too,
+runs its HTTP server and tokenizer manager in a process apart from its scheduler.
 """
 
 from __future__ import annotations
