@@ -229,6 +229,7 @@ def test_the_engine_is_two_processes_and_either_death_ends_both(tiny_model_path,
         assert gen(type("E", (), {"url": url}), {"input_ids": [1, 2, 3], "sampling_params": {
             "max_new_tokens": 2}})["meta_info"]["completion_tokens"] == 2
         (front,) = psutil.Process(proc.pid).children()
+        assert front.name() == "hf-front"  # ps and top tell it from the scheduler process
         os.kill(front.pid if killed == "front" else proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=30) != 0
         psutil.wait_procs([front], timeout=30)

@@ -302,10 +302,13 @@ class Front:
                                    "latency_s": time.perf_counter() - t0}})
 
 
-def _exit_with_parent() -> None:
+def _become_the_front() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
     # The scheduler killed outright (SIGKILL, OOM) takes its front with it; its exit is
     # otherwise seen as the channel closing.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    # Its command line is the scheduler's (forked); top and ps -o comm tell them apart.
+    libc.prctl(15, b"hf-front")  # PR_SET_NAME
 
 
 async def _serve(args: argparse.Namespace, channel_sock: socket.socket, control_port: int,
@@ -333,7 +336,7 @@ async def _serve(args: argparse.Namespace, channel_sock: socket.socket, control_
 def run(args: argparse.Namespace, channel_sock: socket.socket, control_port: int,
         routes: list[tuple[str, str, str]]) -> None:
     """The front process's life, in the child forked by server.main; never returns."""
-    _exit_with_parent()
+    _become_the_front()
 
     async def serve() -> None:
         try:
