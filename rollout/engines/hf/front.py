@@ -293,13 +293,13 @@ class Front:
             choices.append(choice)
         completion = sum(len(r.output_ids) for r in reqs)
         return json_response({"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
-                      "object": "chat.completion" if chat else "text_completion",
-                      "created": int(time.time()),
-                      "model": body.get("model") or self.model_path, "choices": choices,
-                      "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
-                                "total_tokens": len(ids) + completion},
-                      "metadata": {"weight_version": reqs[0].weight_version,
-                                   "latency_s": time.perf_counter() - t0}})
+                              "object": "chat.completion" if chat else "text_completion",
+                              "created": int(time.time()),
+                              "model": body.get("model") or self.model_path, "choices": choices,
+                              "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
+                                        "total_tokens": len(ids) + completion},
+                              "metadata": {"weight_version": reqs[0].weight_version,
+                                           "latency_s": time.perf_counter() - t0}})
 
 
 def _become_the_front() -> None:
