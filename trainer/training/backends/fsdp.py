@@ -57,6 +57,12 @@ def _kept(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return logits if logits.dim() == 2 else logits[keep]
 
 
+# One fused kernel over all parameters. On CPU torch otherwise runs its per-tensor loop
+# (a dozen dispatched ops per parameter): tiny-qwen3's optimizer step took 14-15 ms that way,
+# 1.7 ms fused (scripts/bench_train_step.py; docs/performance.md, "homegym vs TRL").
+_ADAMW_IMPL = {"fused": True, "foreach": None}
+
+
 class FSDPBackend(StepLoop):
     """One training rank. Call ``init`` after ``torch.distributed`` is initialised."""
 
@@ -84,7 +90,8 @@ class FSDPBackend(StepLoop):
                           if self.use_ref and self.lora is None else None)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=train.lr,
-            betas=(train.adam_beta1, train.adam_beta2), weight_decay=train.weight_decay)
+            betas=(train.adam_beta1, train.adam_beta2), weight_decay=train.weight_decay,
+            **_ADAMW_IMPL)
         self.optimizer_steps = 0  # RL optimizer steps (drives the LR schedule)
         self.sft_steps = 0
         self.pad_token_id = self.model.config.pad_token_id or 0
@@ -411,6 +418,8 @@ class FSDPBackend(StepLoop):
         dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=options)
+        for group in self.optimizer.param_groups:  # a checkpoint's groups carry their own
+            group.update(_ADAMW_IMPL)
         extra = torch.load(os.path.join(path, f"rank{self.rank}.pt"), weights_only=False)
         if extra.get("optimizer_fresh"):  # see save()
             self.optimizer.state.clear()
