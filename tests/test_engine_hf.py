@@ -335,34 +335,52 @@ def test_update_weights_from_disk(engine, ref_model, tmp_path):
     push_tensors(engine.client, ref_model.state_dict().items(), version="default")
 
 
-def test_update_weights_from_distributed(engine, ref_model):
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_update_weights_from_distributed(engine, ref_model, load_format):
+    """One broadcast per tensor, or the bucket as one (weights_io.broadcast_bucket); a
+    bfloat16 tensor among float32 ones lands cast into the engine's float32 weights."""
     from rollout.engines import free_port
+    from rollout.engines.weights_io import broadcast_bucket
 
     port = free_port()
+    group = f"wu-test-{load_format}"
     results = {}
     t = threading.Thread(target=lambda: results.update(init=engine.client.init_weights_update_group(
-        "127.0.0.1", port, 1, 2, "wu-test", "gloo")))
+        "127.0.0.1", port, 1, 2, group, "gloo")))
     t.start()
-    pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "wu-test")
+    pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, group)
     t.join(30)
     assert results["init"]["success"]
-    names = ["model.norm.weight", "model.layers.0.mlp.up_proj.weight"]
+    names = ["model.norm.weight", "model.layers.0.mlp.up_proj.weight",
+             "model.layers.0.input_layernorm.weight"]
     sd = ref_model.state_dict()
-    tensors = [torch.randn_like(sd[n]) for n in names]
+    named = [(n, torch.randn_like(sd[n])) for n in names]
+    named[0] = (names[0], named[0][1].bfloat16())
+    if load_format:
+        named, flat = broadcast_bucket(named)
+        sent = [flat]
+    else:
+        sent = [t for _, t in named]
     out = {}
     th = threading.Thread(target=lambda: out.update(r=_safe(
         lambda: engine.client.update_weights_from_distributed(
-            names, [t.dtype for t in tensors], [t.shape for t in tensors],
-            group_name="wu-test", version="d1"))))
+            [n for n, _ in named], [t.dtype for _, t in named], [t.shape for _, t in named],
+            group_name=group, version="d1", load_format=load_format))))
     th.start()
-    for tensor in tensors:
+    for tensor in sent:
         torch.distributed.broadcast(tensor, src=0, group=pg)
     th.join(30)
     assert out["r"]["success"] and engine.client.weight_version() == "d1"
-    assert all(torch.equal(_get(engine, n), t) for n, t in zip(names, tensors))
+    assert all(torch.equal(_get(engine, n), t.float()) for n, t in named)
     push_tensors(engine.client, [(n, sd[n]) for n in names], version="default")
-    engine.client.destroy_weights_update_group("wu-test")
+    engine.client.destroy_weights_update_group(group)
     torch.distributed.destroy_process_group(pg)
+
+
+def test_update_weights_from_distributed_refuses_an_unknown_load_format(engine):
+    with pytest.raises(EngineError, match="load_format"):
+        engine.client.update_weights_from_distributed(
+            ["model.norm.weight"], ["float32"], [[128]], group_name="any", load_format="pickle")
 
 
 def _safe(fn):

@@ -175,7 +175,7 @@ def test_each_engine_has_its_own_broadcast_group_so_a_death_mid_push_holds_no_ot
                 return
             os.kill(self.dying, signal.SIGKILL)
             wait_for(lambda: dead(self.dying), timeout_s=30, what="the engine server to die")
-            # The whole model: many tensors, each broadcast to both engines.
+            # The whole model, broadcast to both engines.
             yield sorted(load_file(os.path.join(tiny_model_path, "model.safetensors")).items())
 
     def weight_groups() -> set[str]:

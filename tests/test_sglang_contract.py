@@ -185,6 +185,82 @@ def test_weight_updates_use_the_session_where_the_version_has_one(contract, traf
             assert body.get("flush_cache") is False, p
 
 
+@pytest.mark.slow
+def test_a_distributed_push_sends_its_small_tensors_as_one_broadcast(traffic):
+    """The recorded distributed push (the whole tiny model, one bucket): every tensor under
+    FLATTEN_BELOW_BYTES goes in one flattened_bucket update, each larger one on its own,
+    and each tensor exactly once."""
+    import math
+
+    from trainer.weight_sync.push import FLATTEN_BELOW_BYTES
+
+    bodies = [b for _, p, b in traffic if p == "/update_weights_from_distributed"]
+    flat = [b for b in bodies if b.get("load_format") == "flattened_bucket"]
+    assert len(flat) == 1 and len(flat[0]["names"]) > 1
+    sizes = {n: math.prod(s) * getattr(torch, d).itemsize
+             for b in bodies for n, d, s in zip(b["names"], b["dtypes"], b["shapes"])}
+    assert all(sizes[n] < FLATTEN_BELOW_BYTES for n in flat[0]["names"])
+    singles = [n for b in bodies if b not in flat for n in b["names"]]
+    assert all(sizes[n] >= FLATTEN_BELOW_BYTES for n in singles)
+    assert sorted(flat[0]["names"] + singles) == sorted(sizes)
+
+
+def _sglang_distributed_receiver(version: str, sglang_wheels):
+    """SGLang's own receiving side of a ``flattened_bucket`` distributed update
+    (model_runner_components/weight_updater.py), run from the wheel's
+    weight_sync/tensor_bucket.py (it imports only torch): ``(names, dtypes, shapes) ->
+    (buffer the broadcast fills, reconstruct)``."""
+    import sys
+    import types
+
+    module = types.ModuleType(f"sglang_{version.replace('.', '_')}_tensor_bucket")
+    sys.modules[module.__name__] = module  # dataclasses look their module up there
+    exec(compile(sglang_wheels.source_text(version, "sglang/srt/weight_sync/tensor_bucket.py"),
+                 "tensor_bucket.py", "exec"), module.__dict__)
+    bucket_cls = module.FlattenedTensorBucket
+
+    def receive(names, dtypes, shapes):
+        if hasattr(bucket_cls, "empty"):  # 0.5.23: _receive_bucketed_weights_from_distributed
+            bucket = bucket_cls.empty(names, dtypes, shapes, "cpu")
+        else:  # 0.5.18: _update_bucketed_weights_from_distributed
+            bucket = bucket_cls(named_tensors=[
+                (n, torch.empty(s, dtype=getattr(torch, d))) for n, d, s in zip(names, dtypes, shapes)])
+        return bucket.get_flattened_tensor(), bucket.reconstruct_tensors
+    return receive
+
+
+def test_a_broadcast_bucket_is_what_sglangs_receiver_reads(contract, sglang_wheels):
+    """homegym's one-broadcast bucket (weights_io.broadcast_bucket) fills SGLang's receive
+    buffer byte for byte, and SGLang's reconstruction gives back every tensor: mixed
+    dtypes, an odd-length bf16 and a bool tensor among float32 ones (in the order given,
+    a float32 tensor would start off its alignment; the sender orders them)."""
+    from rollout.engines.weights_io import broadcast_bucket, broadcast_bucket_views
+
+    gen = torch.Generator().manual_seed(0)
+    named = [("a.bool", torch.rand(3, generator=gen) > 0.5),
+             ("b.bf16", torch.randn(5, 3, generator=gen).bfloat16()),
+             ("c.f32", torch.randn(7, 4, generator=gen)),
+             ("d.scalar", torch.tensor(2.5)),
+             ("e.f16", torch.randn(2, 2, generator=gen).half())]
+    receive = _sglang_distributed_receiver(contract.version, sglang_wheels)
+    sent, flat = broadcast_bucket(named)
+    names = [n for n, _ in sent]
+    dtypes = [str(t.dtype).removeprefix("torch.") for _, t in sent]
+    shapes = [list(t.shape) for _, t in sent]
+    buffer, reconstruct = receive(names, dtypes, shapes)
+    assert buffer.dtype == flat.dtype == torch.uint8 and buffer.shape == flat.shape
+    buffer.copy_(flat)  # what the broadcast does
+    got = dict(reconstruct())
+    assert sorted(got) == sorted(n for n, _ in named)
+    for name, tensor in named:
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    # homegym's engine lays the buffer out the same way.
+    ours, views = broadcast_bucket_views(names, [getattr(torch, d) for d in dtypes], shapes)
+    assert ours.shape == flat.shape
+    ours.copy_(flat)
+    assert all(torch.equal(v, got[n]) for n, v in views)
+
+
 def test_cpu_engine_serves_only_routes_of_its_contract(contract):
     served = hf_routes(contract.version)
     missing = [f"{m} {p}" for m, p, _ in served if contract.route(p, m) is None]

@@ -253,13 +253,18 @@ class EngineClient:
         return self.call("/destroy_weights_update_group", {"group_name": group_name})
 
     def update_weights_from_distributed(self, names, dtypes, shapes, *, group_name: str,
-                                        version: Optional[Any] = None) -> dict:
+                                        version: Optional[Any] = None,
+                                        load_format: Optional[str] = None) -> dict:
+        """``load_format="flattened_bucket"``: the tensors come as one broadcast of their
+        bytes back to back (``weights_io.broadcast_bucket``); otherwise one each."""
         body: dict = {"names": list(names),
                       "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
                       "shapes": [list(s) for s in shapes], "group_name": group_name,
                       "flush_cache": False}
         if version is not None:
             body["weight_version"] = str(version)
+        if load_format is not None:
+            body["load_format"] = load_format
         return self.call("/update_weights_from_distributed", body)
 
     def update_weights_from_disk(self, model_path: str, *, version: Optional[Any] = None) -> dict:

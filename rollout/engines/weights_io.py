@@ -8,6 +8,9 @@
 - ``init_custom_process_group`` mirrors SGLang's helper: a process group that is *not*
   the default group, so a trainer whose default group is its training ranks can also join
   an (trainer rank 0 + engines) broadcast group.
+- ``broadcast_bucket`` / ``broadcast_bucket_views``: a bucket as one broadcast for
+  ``/update_weights_from_distributed`` with ``load_format="flattened_bucket"``, in the
+  layout SGLang's receiver builds from the request's names, dtypes and shapes.
 - ``serialize_for_sglang`` builds the body fields of SGLang's ``/update_weights_from_tensor``
   exactly as SGLang 0.5.x reads them (one payload per engine TP rank; a list of (name,
   tensor) or a flattened bucket), and ``deserialize_named_tensors`` is the matching reader
@@ -257,6 +260,44 @@ def unflatten_bucket(bucket) -> list[tuple[str, torch.Tensor]]:
     flat = bucket["flattened_tensor"]
     return [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape))
             for m in bucket["metadata"]]
+
+
+def broadcast_bucket(named_tensors) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor]:
+    """``(named_tensors in sending order, one flat uint8 tensor)`` for SGLang's
+    ``/update_weights_from_distributed`` with ``load_format="flattened_bucket"``: one
+    broadcast per bucket instead of one per tensor. The receiver
+    (``_update_bucketed_weights_from_distributed``, weight_sync/tensor_bucket.py) lays the
+    bucket out from the request's names, dtypes and shapes, bytes back to back with no
+    padding, and views each slice as its dtype, so each tensor must start at a multiple of
+    its itemsize (0.5.23 refuses one that does not): the widest dtypes go first, which
+    keeps every offset aligned. A one-tensor bucket is sent as a view, without a copy."""
+    ordered = sorted(((str(n), t.detach()) for n, t in named_tensors),
+                     key=lambda nt: -nt[1].element_size())  # stable: same-width order kept
+    flats = [t.reshape(-1).contiguous().view(torch.uint8) for _, t in ordered]
+    if not flats:
+        raise ValueError("an empty bucket has nothing to broadcast")
+    return ordered, flats[0] if len(flats) == 1 else torch.cat(flats)
+
+
+def broadcast_bucket_views(names, dtypes, shapes, device="cpu",
+                           ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+    """The receiving side of ``broadcast_bucket``, as SGLang lays it out: ``(the uint8
+    buffer to receive into, (name, view) per tensor)``. ValueError where a tensor would
+    start off its itemsize or a shape has a negative dimension (SGLang 0.5.23's checks)."""
+    spans, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        shape = torch.Size(shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"{name}: negative dimension in shape {list(shape)}")
+        if offset % dtype.itemsize:
+            raise ValueError(f"{name}: byte offset {offset} in the flattened bucket is not a "
+                             f"multiple of {dtype}'s size")
+        size = shape.numel() * dtype.itemsize
+        spans.append((name, dtype, shape, offset, offset + size))
+        offset += size
+    flat = torch.empty(offset, dtype=torch.uint8, device=device)
+    return flat, [(name, flat[a:b].view(dtype).reshape(shape))
+                  for name, dtype, shape, a, b in spans]
 
 
 def serialize_for_sglang(named_tensors, tp_size: int = 1, flattened: bool = False,

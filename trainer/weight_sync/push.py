@@ -10,7 +10,9 @@ driver. Two paths, both SGLang's own routes:
   (e * tp + k) mod world size -- the rank on the same GPU when colocated.
 - ``distributed`` (disaggregated): rank 0 broadcasts each bucket over one torch.distributed
   group per engine, rank 0 and that engine's TP ranks (`init_weights_update_group` +
-  `update_weights_from_distributed`; NCCL on GPU, gloo on CPU). One group per engine costs
+  `update_weights_from_distributed`; NCCL on GPU, gloo on CPU), a bucket's tensors under
+  ``FLATTEN_BELOW_BYTES`` as one broadcast of their bytes (`load_format="flattened_bucket"`),
+  the larger ones one broadcast each. One group per engine costs
   rank 0 one send per engine instead of one broadcast to all, and buys isolation: an engine
   that dies mid-push breaks only its own group, where a shared group leaves every other
   engine waiting in a receive until its timeout.
@@ -45,7 +47,8 @@ from rollout.modeling.hybrid import transfer_dtype
 from rollout.engines.actor import SGLANG_CPU_LOADERS
 from rollout.engines.client import EngineError, fan_out
 from rollout.engines.weights_io import (
-    FLATTENED_BUCKET, MultiprocessingSerializer, SharedStaging, serialize_for_sglang)
+    FLATTENED_BUCKET, MultiprocessingSerializer, SharedStaging, broadcast_bucket,
+    serialize_for_sglang)
 from rollout.models import resolve_model_path
 
 log = logging.getLogger("homegym.weights")
@@ -406,26 +409,50 @@ class _TensorSender(_Sender):
             load_format=load_format, version=version))
 
 
+# Distributed pushes: tensors under this size share one broadcast (see _BroadcastSender).
+FLATTEN_BELOW_BYTES = 1 << 20
+
+
 class _BroadcastSender(_Sender):
     def __init__(self, plan: PushPlan, rank: int, groups: Sequence):
         self.rank, self.groups = rank, list(groups)
         super().__init__(plan, range(len(plan.targets)) if rank == 0 else [])
 
     def send(self, bucket, version: Optional[int]) -> None:
+        """The bucket's small tensors as one broadcast of their bytes (SGLang's
+        ``flattened_bucket``), the others one broadcast each: every broadcast is a
+        collective with a round trip of its own, which outweighs a small tensor's bytes,
+        while copying a large tensor into the flat buffer costs more than its round trip."""
         if self.rank != 0:
             return
+        bucket = [(n, t.to(self.plan.device)) for n, t in bucket]
+        small = [(n, t) for n, t in bucket if t.numel() * t.element_size() < FLATTEN_BELOW_BYTES]
+        large = [(n, t) for n, t in bucket if t.numel() * t.element_size() >= FLATTEN_BELOW_BYTES]
+        calls = []
+        if len(small) > 1:
+            small, flat = broadcast_bucket(small)
+            calls.append((small, [flat], FLATTENED_BUCKET))
+        else:
+            large = small + large
+        if large:
+            calls.append((large, [t.contiguous() for _, t in large], None))
+        for i, (named, tensors, load_format) in enumerate(calls):
+            self._broadcast(named, tensors, load_format,
+                            version if i == len(calls) - 1 else None)
+
+    def _broadcast(self, named, tensors, load_format: Optional[str],
+                   version: Optional[int]) -> None:
         import torch.distributed as dist
 
-        names = [n for n, _ in bucket]
-        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
-        shapes = [list(t.shape) for _, t in bucket]
-        # Each engine's call returns once it has received every tensor of the bucket, so
-        # the calls run on threads while this rank broadcasts.
+        names = [n for n, _ in named]
+        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in named]
+        shapes = [list(t.shape) for _, t in named]
+        # Each engine's call returns once it has received every tensor, so the calls run
+        # on threads while this rank broadcasts.
         futures = {e: self._pool.submit(self.clients[e].update_weights_from_distributed, names,
                                         dtypes, shapes, group_name=self.plan.group_names[e],
-                                        version=version)
+                                        version=version, load_format=load_format)
                    for e in self.engines}
-        tensors = [t.to(self.plan.device).contiguous() for _, t in bucket]
         works = {e: [dist.broadcast(t, src=0, group=self.groups[e], async_op=True)
                      for t in tensors] for e in self.engines}
 

@@ -48,7 +48,8 @@ from rollout.engines.hf.batcher import Batcher, Request
 from rollout.engines.hf.channel import Channel
 from rollout.engines.hf.httpio import BadRequest, error_response, guard, json_response, log, read_body
 from rollout.engines.client import PINNED_SGLANG_VERSION, SUPPORTED_SGLANG_VERSIONS
-from rollout.engines.weights_io import deserialize_named_tensors, init_custom_process_group
+from rollout.engines.weights_io import (
+    FLATTENED_BUCKET, broadcast_bucket_views, deserialize_named_tensors, init_custom_process_group)
 
 # How long a weight-update receive waits for the trainer's broadcast (init_weights_update_group).
 WEIGHT_GROUP_TIMEOUT_S = 60.0
@@ -604,6 +605,10 @@ class Server:
 
         body = await read_body(request)
         self._check_session("update_weights_from_distributed")
+        load_format = body.get("load_format")
+        if load_format not in (None, FLATTENED_BUCKET):
+            raise BadRequest(f"load_format must be null or {FLATTENED_BUCKET!r} "
+                             f"(got {load_format!r})")
         name = body.get("group_name", "weight_update_group")
         pg = self.groups.get(name)
         if pg is None:
@@ -616,15 +621,22 @@ class Server:
             dts = [getattr(torch, str(d).replace("torch.", "")) for d in dtypes]
         except AttributeError as exc:
             raise BadRequest(f"unknown dtype: {exc}") from None
+        try:
+            if load_format == FLATTENED_BUCKET:  # one broadcast of the bucket's bytes
+                flat, named = broadcast_bucket_views(names, dts, shapes)
+                tensors = [flat]
+            else:  # one broadcast per tensor
+                named = [(n, torch.empty(tuple(s), dtype=d))
+                         for n, d, s in zip(names, dts, shapes)]
+                tensors = [t for _, t in named]
+        except (ValueError, RuntimeError, TypeError) as exc:
+            raise BadRequest(f"bad shapes or dtypes: {exc}") from None
 
         def receive():
-            # Receive every tensor first (the trainer broadcasts them all regardless), then
+            # Receive everything first (the trainer broadcasts it all regardless), then
             # validate and apply, so a mismatch leaves the old weights in place.
-            named = []
-            for n, d, s in zip(names, dts, shapes):
-                t = torch.empty(tuple(s), dtype=d)
+            for t in tensors:
                 dist.broadcast(t, src=0, group=pg)
-                named.append((n, t))
             return self._apply(named, body)
 
         return await self._weights_call(receive)
