@@ -32,14 +32,6 @@ import torch.distributed as dist  # noqa: E402
 VARIANTS = {"default": {}, "fused": {"fused": True, "foreach": None}}
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12)
@@ -50,6 +42,8 @@ def main() -> None:
     args = p.parse_args()
 
     from train_batches import make_batch, make_config
+
+    from rollout.engines import free_port
     from trainer.driver.components import backend_args
     from trainer.training.backends import fsdp, make_backend
 
