@@ -425,9 +425,10 @@ class _BroadcastSender(_Sender):
         while copying a large tensor into the flat buffer costs more than its round trip."""
         if self.rank != 0:
             return
-        bucket = [(n, t.to(self.plan.device)) for n, t in bucket]
-        small = [(n, t) for n, t in bucket if t.numel() * t.element_size() < FLATTEN_BELOW_BYTES]
-        large = [(n, t) for n, t in bucket if t.numel() * t.element_size() >= FLATTEN_BELOW_BYTES]
+        small, large = [], []
+        for name, t in bucket:
+            (small if t.nbytes < FLATTEN_BELOW_BYTES else large).append(
+                (name, t.to(self.plan.device)))
         calls = []
         if len(small) > 1:
             small, flat = broadcast_bucket(small)
