@@ -224,6 +224,28 @@ def test_a_checkpoint_before_the_first_step_leaves_adams_first_update_whole(one_
         one_rank(True), make_batch(num_groups=4, group_size=4, seed=5), str(tmp_path / "fresh"))
 
 
+def test_a_checkpoint_of_the_per_tensor_adamw_loads_into_the_fused_one(one_rank, tmp_path):
+    """A checkpoint's optimizer param groups carry the implementation flags they were saved
+    with; one from an optimizer on torch's per-tensor loop (as homegym's were before it
+    chose the fused kernel) still trains on the fused one once loaded."""
+    group = one_rank(False)
+    actor = group.actors[0]
+
+    def flags(self) -> list:
+        return [(g["fused"], g["foreach"]) for g in self.backend.optimizer.param_groups]
+
+    def per_tensor(self) -> None:
+        for g in self.backend.optimizer.param_groups:
+            g.update(fused=None, foreach=None)
+
+    assert set(ray.get(actor.__ray_call__.remote(flags))) == {(True, None)}
+    ray.get(actor.__ray_call__.remote(per_tensor))
+    group.train_step(make_batch(num_groups=4, group_size=4, seed=5))
+    group.save(str(tmp_path / "per-tensor"))
+    group.load(str(tmp_path / "per-tensor"))
+    assert set(ray.get(actor.__ray_call__.remote(flags))) == {(True, None)}
+
+
 def test_train_step_improves_objective_and_sft_lowers_nll(group2):
     batch = make_batch(num_groups=4, group_size=4, seed=5)
     before = _surrogate(group2, batch)
