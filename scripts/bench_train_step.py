@@ -1,15 +1,22 @@
 """The FSDP rank's RL train step in one process (one rank over gloo, one thread), two
-optimizer implementations side by side, interleaved.
+implementations of one part side by side, interleaved.
 
-    .venv/bin/python scripts/bench_train_step.py [--steps 12] [--groups 4] [--group-size 8]
+    .venv/bin/python scripts/bench_train_step.py [--compare optimizer|attention]
+        [--steps 12] [--groups 4] [--group-size 8]
     .venv/bin/python scripts/bench_train_step.py --profile     # torch profiler, top ops
 
 The batch is shaped like ``bench_vs_trl.py``'s multi-turn game (4 prompts x 8 samples,
 ~75-token prompts, 40-90 response tokens, groups opening alike), on tiny-qwen3. Each
 variant is an ``FSDPBackend`` of its own; steps alternate between them, and the CPU time
 of each ``train_step`` is read with ``time.process_time`` (the first two are dropped).
-``default`` is torch's AdamW as torch picks it on CPU (its per-tensor loop), ``fused`` is
-what the backend uses. Not a test: timings depend on the machine and on what else runs.
+The comparisons, the second variant of each being what the backend uses:
+
+- ``optimizer``: torch's AdamW as torch picks it on CPU (its per-tensor loop) against the
+  fused one; also times the optimizer step alone;
+- ``attention``: the shared-prefix attention with every row re-padded to the longest
+  suffix against rows in buckets of similar length (``packed_attention.row_buckets``).
+
+Not a test: timings depend on the machine and on what else runs.
 """
 
 from __future__ import annotations
@@ -29,23 +36,46 @@ os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-VARIANTS = {"default": {}, "fused": {"fused": True, "foreach": None}}
+
+def _optimizer(impl: dict):
+    def apply() -> None:
+        from trainer.training.backends import fsdp
+
+        fsdp._ADAMW_IMPL = impl  # read when a backend builds its optimizer
+    return apply
+
+
+def _buckets(n: int):
+    def apply() -> None:
+        from trainer.training.backends import packed_attention
+
+        packed_attention.MAX_BUCKETS = n  # read when a micro-batch's attention is planned
+    return apply
+
+
+# Per comparison, its variants: a setting applied before the backend is built and before
+# each of its steps.
+COMPARISONS = {
+    "optimizer": {"default": _optimizer({}), "fused": _optimizer({"fused": True, "foreach": None})},
+    "attention": {"one width": _buckets(1), "buckets": _buckets(4)},
+}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--compare", choices=sorted(COMPARISONS), default="optimizer")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--profile", action="store_true",
-                   help="profile 3 steps of the fused variant instead (torch profiler)")
+                   help="profile 3 steps of the backend as it is instead (torch profiler)")
     args = p.parse_args()
 
     from train_batches import make_batch, make_config
 
     from rollout.engines import free_port
     from trainer.driver.components import backend_args
-    from trainer.training.backends import fsdp, make_backend
+    from trainer.training.backends import make_backend
 
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -54,9 +84,10 @@ def main() -> None:
     batch = make_batch(num_groups=args.groups, group_size=args.group_size, prompt_len=(70, 80),
                        response_len=(40, 90), seed=3, common_start=10)
     tokens = sum(len(t) for t in batch.tokens)
+    variants = COMPARISONS[args.compare]
     backends = {}
-    for name in (["fused"] if args.profile else VARIANTS):
-        fsdp._ADAMW_IMPL = VARIANTS[name]  # read once, when the backend builds its optimizer
+    for name in ([list(variants)[-1]] if args.profile else variants):
+        variants[name]()
         backend = make_backend("fsdp")
         backend.init(rank=0, world_size=1, **backend_args(config))
         backends[name] = backend
@@ -65,16 +96,18 @@ def main() -> None:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
+        (backend,) = backends.values()
         for _ in range(2):
-            backends["fused"].train_step(batch)
+            backend.train_step(batch)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(3):
-                backends["fused"].train_step(batch)
+                backend.train_step(batch)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         return
     times: dict[str, list[float]] = {name: [] for name in backends}
     for _ in range(args.steps):
         for name, backend in backends.items():
+            variants[name]()
             t0 = time.process_time()
             backend.train_step(batch)
             times[name].append(time.process_time() - t0)
@@ -82,8 +115,11 @@ def main() -> None:
     for name, ts in times.items():
         ts = ts[2:]
         med[name] = statistics.median(ts)
-        print(f"  {name:8s} train step CPU s: min {min(ts):.4f}  median {med[name]:.4f}")
-    print(f"fused / default (medians): {med['fused'] / med['default']:.3f}")
+        print(f"  {name:9s} train step CPU s: min {min(ts):.4f}  median {med[name]:.4f}")
+    a, b = variants
+    print(f"{b} / {a} (medians): {med[b] / med[a]:.3f}")
+    if args.compare != "optimizer":
+        return
     print("the optimizer step alone (wall ms, median of 30, after the runs above):")
     for name, backend in backends.items():
         params = [q for q in backend.model.parameters() if q.requires_grad]

@@ -119,3 +119,40 @@ def test_flash_kernel_matches_sdpa_on_cuda(monkeypatch, dtype):
     torch.testing.assert_close(flash.float(), ref, atol=2e-2, rtol=2e-2)
     for a, b in zip(flash_grads, ref_grads):
         torch.testing.assert_close(a.float(), b, atol=5e-2, rtol=5e-2)
+
+
+def test_row_buckets_cut_where_the_padded_area_is_least():
+    """``bucket_bounds`` against every way of cutting a few sorted lengths into at most
+    MAX_BUCKETS runs (below 32 rows every position is a candidate cut)."""
+    import itertools
+
+    def area(lengths, ends, prefix):
+        return sum((e - s) * lengths[e - 1] * (prefix + lengths[e - 1])
+                   for s, e in zip([0] + ends[:-1], ends))
+
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 2, 5, 9):
+        lengths = sorted(torch.randint(1, 90, (n,), generator=gen).tolist())
+        ends = pa.bucket_bounds(lengths, 40)
+        assert ends[-1] == n and ends == sorted(set(ends)) and len(ends) <= pa.MAX_BUCKETS
+        single = area(lengths, [n], 40)
+        penalty = pa.MIN_BUCKET_SAVING * single
+        best = min(area(lengths, list(cut) + [n], 40) + len(cut) * penalty
+                   for k in range(pa.MAX_BUCKETS) for cut in itertools.combinations(range(1, n), k))
+        assert area(lengths, ends, 40) + (len(ends) - 1) * penalty == best, (lengths, ends)
+
+
+def test_bucketed_rows_give_the_one_width_attention(monkeypatch):
+    """The SDPA path's rows in buckets of similar length (each padded to its own longest)
+    compute what all rows padded to the longest do: outputs and gradients, in float64, so
+    anything beyond rounding (a token put in the wrong row, slot or order) shows."""
+    q, k, v, pk, pv, layout, mask = _inputs(dtype=torch.float64, seed=2)
+    monkeypatch.setattr(pa, "use_flash", False)
+    bucketed, bucketed_grads, prefix = _run(q, k, v, pk, pv, layout, mask, flash=False)
+    assert len(prefix.buckets.buckets) > 1 and prefix.buckets.inverse is not None
+    monkeypatch.setattr(pa, "MAX_BUCKETS", 1)
+    one, one_grads, prefix = _run(q, k, v, pk, pv, layout, mask, flash=False)
+    assert len(prefix.buckets.buckets) == 1
+    torch.testing.assert_close(bucketed, one, atol=1e-12, rtol=0)
+    for a, b in zip(bucketed_grads, one_grads):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)

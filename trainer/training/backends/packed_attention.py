@@ -6,6 +6,10 @@ packed queries/keys/values into [rows, width], prepends each row's prefix KV (co
 once per prefix, with grad, by an earlier forward), runs SDPA under the re-padded mask and
 gathers the outputs back into the packed row.
 
+The rows are re-padded in a few buckets of similar suffix length (``row_buckets``), one
+SDPA call each: SDPA computes every padded query and key, and one width for all rows made
+half of a multi-turn batch's attention work padding.
+
 transformers hands extra forward kwargs down to the attention function, so the layout and
 prefix KV travel as the ``packed_prefix`` kwarg; a forward without it is plain SDPA (the
 prefix pass, and any other use of the model).
@@ -40,8 +44,10 @@ class PackedPrefix:
     keys: list[torch.Tensor]  # per layer [U, H_kv, L, D]: the prefixes' keys (post-RoPE)
     values: list[torch.Tensor]
     layout: SharedPrefix  # rows, width, each row's prefix, each packed token's slot
-    # The varlen layout (flash path), built by the first layer and shared by the others.
+    # The varlen layout (flash path) or the row buckets (SDPA path), built by the first
+    # layer and shared by the others.
     varlen: Optional["VarlenLayout"] = field(default=None, repr=False)
+    buckets: Optional["RowBuckets"] = field(default=None, repr=False)
 
 
 # flash-attn's varlen kernel, or None without flash-attn; preferred where it applies.
@@ -120,12 +126,116 @@ def _flash_prefix_attention(query, key, value, packed_prefix: PackedPrefix, laye
     return out[None]  # [1, N, H, D]
 
 
-def _repad(x: torch.Tensor, layout: SharedPrefix) -> torch.Tensor:
-    """[1, H, N, D] packed -> [B, H, width, D], zeros where a row is shorter."""
+@dataclass
+class RowBucket:
+    """Rows of similar suffix length, re-padded to the longest of them for one SDPA call."""
+
+    rows: torch.Tensor  # [b] rows of the layout
+    prefix_index: torch.Tensor  # [b] each row's prefix
+    tokens: Optional[torch.Tensor]  # [n] packed positions of the rows' tokens; None: all
+    slot: torch.Tensor  # [n] each of those tokens' place in the bucket's [b * width]
+    width: int
+    mask: torch.Tensor  # [b, 1, width, L + width] the layout's mask, cut to the bucket
+
+
+@dataclass
+class RowBuckets:
+    buckets: list[RowBucket]
+    # Packed position of each token in the buckets' outputs concatenated; None: in order.
+    inverse: Optional[torch.Tensor]
+
+
+MAX_BUCKETS = 4
+# A further bucket must save this share of the one-bucket area: each costs a few more ops.
+MIN_BUCKET_SAVING = 0.02
+
+
+def bucket_bounds(lengths: list[int], prefix_width: int) -> list[int]:
+    """Where to cut ``lengths`` (ascending suffix lengths) into at most ``MAX_BUCKETS``
+    runs, minimising the padded attention area sum(rows * width * (prefix_width + width)),
+    width being a run's last length. Returns the runs' ends. Cuts are taken at up to 32
+    quantiles, so the search stays small for any number of rows."""
+    n = len(lengths)
+    cuts = sorted({round(n * q / 32) for q in range(1, 33)} - {0})  # ascending, ends with n
+
+    def area(i: int, j: int) -> int:  # rows [i, j) of the sorted lengths
+        return (j - i) * lengths[j - 1] * (prefix_width + lengths[j - 1])
+
+    # best[k][j]: (least area, ends) of rows [0, cuts[j]) in at most k + 1 runs.
+    best = [[(area(0, c), [c]) for c in cuts]]
+    for _ in range(1, min(MAX_BUCKETS, n)):
+        prev = best[-1]
+        best.append([min([prev[j]] + [(prev[i][0] + area(cuts[i], c), prev[i][1] + [c])
+                                      for i in range(j)]) for j, c in enumerate(cuts)])
+    single = best[0][-1][0]
+    # Each further run has to pay for its few extra ops.
+    return min((row[-1] for row in best),
+               key=lambda r: r[0] + (len(r[1]) - 1) * MIN_BUCKET_SAVING * single)[1]
+
+
+def row_buckets(layout: SharedPrefix, mask: torch.Tensor) -> RowBuckets:
+    """The layout's rows in buckets of similar suffix length (``bucket_bounds``)."""
+    row, col = layout.slot // layout.width, layout.slot % layout.width
+    lengths = torch.bincount(row, minlength=layout.rows)
+    prefix_width = layout.prefix_mask.shape[1]
+    order = torch.argsort(lengths, stable=True)
+    sorted_lengths = lengths[order].tolist()  # the one host sync
+    ends = bucket_bounds(sorted_lengths, prefix_width)
+    if len(ends) == 1:
+        return RowBuckets([RowBucket(torch.arange(layout.rows, device=row.device),
+                                     layout.prefix_index, None, layout.slot, layout.width,
+                                     mask)], None)
+    device = row.device
+    local = torch.empty_like(order)  # each row's place in its bucket
+    out = []
+    for start, end in zip([0] + ends[:-1], ends):
+        rows = order[start:end]
+        local[rows] = torch.arange(end - start, device=device)
+        member = torch.zeros(layout.rows, dtype=torch.bool, device=device)
+        member[rows] = True
+        tokens = torch.nonzero(member[row]).flatten()
+        width = sorted_lengths[end - 1]
+        keys = torch.cat([torch.arange(prefix_width, device=device),
+                          prefix_width + torch.arange(width, device=device)])
+        cut = mask.index_select(0, rows)[:, :, :width].index_select(3, keys)
+        out.append(RowBucket(rows, layout.prefix_index.index_select(0, rows), tokens,
+                             local[row[tokens]] * width + col[tokens], width, cut))
+    inverse = torch.empty_like(layout.slot)
+    ordered = torch.cat([bucket.tokens for bucket in out])
+    inverse[ordered] = torch.arange(len(ordered), device=device)
+    return RowBuckets(out, inverse)
+
+
+def _repad(x: torch.Tensor, bucket: RowBucket) -> torch.Tensor:
+    """[1, H, N, D] packed -> the bucket's rows [b, H, width, D], zeros past each row."""
     _, h, _, d = x.shape
-    flat = x.new_zeros(layout.rows * layout.width, h, d)
-    flat = flat.index_copy(0, layout.slot, x[0].transpose(0, 1))
-    return flat.view(layout.rows, layout.width, h, d).transpose(1, 2)
+    tokens = x[0].transpose(0, 1)  # [N, H, D]
+    if bucket.tokens is not None:
+        tokens = tokens.index_select(0, bucket.tokens)
+    b = len(bucket.rows)
+    flat = x.new_zeros(b * bucket.width, h, d).index_copy(0, bucket.slot, tokens)
+    return flat.view(b, bucket.width, h, d).transpose(1, 2)
+
+
+def _sdpa_prefix_attention(query, key, value, attention_mask, packed_prefix: PackedPrefix,
+                           layer: int, scaling, dropout) -> torch.Tensor:
+    if packed_prefix.buckets is None:
+        packed_prefix.buckets = row_buckets(packed_prefix.layout, attention_mask)
+    plan = packed_prefix.buckets
+    prefix_k, prefix_v = packed_prefix.keys[layer], packed_prefix.values[layer]
+    outs = []
+    for bucket in plan.buckets:
+        keys = torch.cat([prefix_k.index_select(0, bucket.prefix_index), _repad(key, bucket)], 2)
+        values = torch.cat([prefix_v.index_select(0, bucket.prefix_index),
+                            _repad(value, bucket)], 2)
+        # GQA in the kernel: no K/V copies per query head (docs/performance.md).
+        out = F.scaled_dot_product_attention(
+            _repad(query, bucket), keys, values, attn_mask=bucket.mask, dropout_p=dropout,
+            scale=scaling, enable_gqa=keys.shape[1] != query.shape[1])  # [b, H, width, D]
+        b, h, w, d = out.shape
+        outs.append(out.transpose(1, 2).reshape(b * w, h, d).index_select(0, bucket.slot))
+    packed = outs[0] if plan.inverse is None else torch.cat(outs).index_select(0, plan.inverse)
+    return packed[None]  # [1, N, H, D]
 
 
 def packed_prefix_attention(module, query, key, value, attention_mask, scaling=None,
@@ -135,21 +245,12 @@ def packed_prefix_attention(module, query, key, value, attention_mask, scaling=N
     if packed_prefix is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    layout, layer = packed_prefix.layout, module.layer_idx
+    layer = module.layer_idx
     if _flash_applies(query, key, value, packed_prefix.keys[layer], packed_prefix.values[layer]):
         return _flash_prefix_attention(query, key, value, packed_prefix, layer, scaling,
                                        dropout), None
-    keys = torch.cat([packed_prefix.keys[layer].index_select(0, layout.prefix_index),
-                      _repad(key, layout)], 2)
-    values = torch.cat([packed_prefix.values[layer].index_select(0, layout.prefix_index),
-                        _repad(value, layout)], 2)
-    # GQA in the kernel: no K/V copies per query head (docs/performance.md).
-    out = F.scaled_dot_product_attention(
-        _repad(query, layout), keys, values, attn_mask=attention_mask, dropout_p=dropout,
-        scale=scaling, enable_gqa=keys.shape[1] != query.shape[1])  # [B, H, width, D]
-    b, h, w, d = out.shape
-    packed = out.transpose(1, 2).reshape(b * w, h, d).index_select(0, layout.slot)
-    return packed[None], None  # [1, N, H, D], as attention functions return
+    return _sdpa_prefix_attention(query, key, value, attention_mask, packed_prefix, layer,
+                                  scaling, dropout), None
 
 
 def register() -> str:
