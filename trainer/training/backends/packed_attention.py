@@ -130,7 +130,7 @@ def _flash_prefix_attention(query, key, value, packed_prefix: PackedPrefix, laye
 class RowBucket:
     """Rows of similar suffix length, re-padded to the longest of them for one SDPA call."""
 
-    rows: torch.Tensor  # [b] rows of the layout
+    size: int  # b: rows
     prefix_index: torch.Tensor  # [b] each row's prefix
     tokens: Optional[torch.Tensor]  # [n] packed positions of the rows' tokens; None: all
     slot: torch.Tensor  # [n] each of those tokens' place in the bucket's [b * width]
@@ -153,24 +153,35 @@ MIN_BUCKET_SAVING = 0.02
 def bucket_bounds(lengths: list[int], prefix_width: int) -> list[int]:
     """Where to cut ``lengths`` (ascending suffix lengths) into at most ``MAX_BUCKETS``
     runs, minimising the padded attention area sum(rows * width * (prefix_width + width)),
-    width being a run's last length. Returns the runs' ends. Cuts are taken at up to 32
-    quantiles, so the search stays small for any number of rows."""
+    width being a run's last length, plus ``MIN_BUCKET_SAVING`` of the one-run area per
+    further run. Returns the runs' ends. Cuts are taken at up to 16 quantiles, so the
+    search stays small for any number of rows."""
     n = len(lengths)
-    cuts = sorted({round(n * q / 32) for q in range(1, 33)} - {0})  # ascending, ends with n
+    pos = [0] + sorted({round(n * q / 16) for q in range(1, 17)} - {0})  # ends with n
+    m = len(pos) - 1
 
-    def area(i: int, j: int) -> int:  # rows [i, j) of the sorted lengths
-        return (j - i) * lengths[j - 1] * (prefix_width + lengths[j - 1])
+    def area(a: int, b: int) -> int:  # rows [pos[a], pos[b])
+        width = lengths[pos[b] - 1]
+        return (pos[b] - pos[a]) * width * (prefix_width + width)
 
-    # best[k][j]: (least area, ends) of rows [0, cuts[j]) in at most k + 1 runs.
-    best = [[(area(0, c), [c]) for c in cuts]]
-    for _ in range(1, min(MAX_BUCKETS, n)):
-        prev = best[-1]
-        best.append([min([prev[j]] + [(prev[i][0] + area(cuts[i], c), prev[i][1] + [c])
-                                      for i in range(j)]) for j, c in enumerate(cuts)])
-    single = best[0][-1][0]
-    # Each further run has to pay for its few extra ops.
-    return min((row[-1] for row in best),
-               key=lambda r: r[0] + (len(r[1]) - 1) * MIN_BUCKET_SAVING * single)[1]
+    # cost[b]: least area of rows [0, pos[b]) in k + 1 runs; back[k][b]: where its last
+    # run starts.
+    cost = [area(0, b) if b else 0 for b in range(m + 1)]
+    penalty = MIN_BUCKET_SAVING * cost[m]
+    best, best_k, back = cost[m], 0, []
+    for k in range(1, min(MAX_BUCKETS, m)):
+        new, starts = [float("inf")] * (m + 1), [0] * (m + 1)
+        for b in range(k + 1, m + 1):
+            new[b], starts[b] = min((cost[a] + area(a, b), a) for a in range(k, b))
+        cost = new
+        back.append(starts)
+        if cost[m] + k * penalty < best:
+            best, best_k = cost[m] + k * penalty, k
+    ends, b = [n], m
+    for k in range(best_k, 0, -1):
+        b = back[k - 1][b]
+        ends.insert(0, pos[b])
+    return ends
 
 
 def row_buckets(layout: SharedPrefix, mask: torch.Tensor) -> RowBuckets:
@@ -182,27 +193,30 @@ def row_buckets(layout: SharedPrefix, mask: torch.Tensor) -> RowBuckets:
     sorted_lengths = lengths[order].tolist()  # the one host sync
     ends = bucket_bounds(sorted_lengths, prefix_width)
     if len(ends) == 1:
-        return RowBuckets([RowBucket(torch.arange(layout.rows, device=row.device),
-                                     layout.prefix_index, None, layout.slot, layout.width,
-                                     mask)], None)
+        return RowBuckets([RowBucket(layout.rows, layout.prefix_index, None, layout.slot,
+                                     layout.width, mask)], None)
     device = row.device
-    local = torch.empty_like(order)  # each row's place in its bucket
+    starts = [0] + ends[:-1]
+    widths = [sorted_lengths[e - 1] for e in ends]
+    # Each row's place in the sorted order, its bucket and its place in that bucket.
+    place = torch.empty_like(order)
+    place[order] = torch.arange(len(order), device=device)
+    bucket = torch.searchsorted(torch.tensor(ends, device=device), place, right=True)
+    local = place - torch.tensor(starts, device=device)[bucket]
+    # Tokens grouped by bucket (packed order within one), each at its bucket's slot.
+    token_bucket = bucket[row]
+    grouped = torch.argsort(token_bucket, stable=True)
+    slot = local[row] * torch.tensor(widths, device=device)[token_bucket] + col
+    counts = [sum(sorted_lengths[a:e]) for a, e in zip(starts, ends)]
     out = []
-    for start, end in zip([0] + ends[:-1], ends):
-        rows = order[start:end]
-        local[rows] = torch.arange(end - start, device=device)
-        member = torch.zeros(layout.rows, dtype=torch.bool, device=device)
-        member[rows] = True
-        tokens = torch.nonzero(member[row]).flatten()
-        width = sorted_lengths[end - 1]
-        keys = torch.cat([torch.arange(prefix_width, device=device),
-                          prefix_width + torch.arange(width, device=device)])
-        cut = mask.index_select(0, rows)[:, :, :width].index_select(3, keys)
-        out.append(RowBucket(rows, layout.prefix_index.index_select(0, rows), tokens,
-                             local[row[tokens]] * width + col[tokens], width, cut))
-    inverse = torch.empty_like(layout.slot)
-    ordered = torch.cat([bucket.tokens for bucket in out])
-    inverse[ordered] = torch.arange(len(ordered), device=device)
+    for rows, tokens, width in zip(order.split([e - a for a, e in zip(starts, ends)]),
+                                   grouped.split(counts), widths):
+        # The prefix's columns, then the suffix's first ``width``.
+        cut = mask.index_select(0, rows)[:, :, :width, :prefix_width + width]
+        out.append(RowBucket(len(rows), layout.prefix_index.index_select(0, rows), tokens,
+                             slot.index_select(0, tokens), width, cut))
+    inverse = torch.empty_like(grouped)
+    inverse[grouped] = torch.arange(len(grouped), device=device)
     return RowBuckets(out, inverse)
 
 
@@ -212,9 +226,8 @@ def _repad(x: torch.Tensor, bucket: RowBucket) -> torch.Tensor:
     tokens = x[0].transpose(0, 1)  # [N, H, D]
     if bucket.tokens is not None:
         tokens = tokens.index_select(0, bucket.tokens)
-    b = len(bucket.rows)
-    flat = x.new_zeros(b * bucket.width, h, d).index_copy(0, bucket.slot, tokens)
-    return flat.view(b, bucket.width, h, d).transpose(1, 2)
+    flat = x.new_zeros(bucket.size * bucket.width, h, d).index_copy(0, bucket.slot, tokens)
+    return flat.view(bucket.size, bucket.width, h, d).transpose(1, 2)
 
 
 def _sdpa_prefix_attention(query, key, value, attention_mask, packed_prefix: PackedPrefix,
