@@ -1,7 +1,7 @@
 """A/B the CPU engine of two code versions: a git ref against the working tree.
 
     .venv/bin/python scripts/bench_engine_ab.py --base REF [--model tiny-qwen3]
-        [--pairs 12] [--multiturn]
+        [--pairs 12] [--multiturn] [--router]
 
 Starts one engine server from a temporary git worktree of REF and one from this checkout,
 warms both up, then sends bench_engine.py's workload to them in interleaved pairs
@@ -10,8 +10,10 @@ alike. Prints each side's median and best wall time, the median CPU seconds its 
 process spent per run (steadier than wall time on a loaded box: waiting for a core is not
 counted), and the ratios of medians. The workload is
 bench_engine.py's single burst (64 prompts of 10-160 tokens x 32 new tokens) or, with
---multiturn, its multi-turn RL shape (64 episodes x 8 turns). One thread per server.
-Not a test: on a 2-core box give it a quiet machine.
+--multiturn, its multi-turn RL shape (64 episodes x 8 turns), sent to each server
+directly or, with --router, through an sglang-router of its own (the serving path
+bench_engine.py and the rollout manager use: each request crosses one more process). One
+thread per server. Not a test: on a 2-core box give it a quiet machine.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def main() -> None:
     ap.add_argument("--model", default="tiny-qwen3")
     ap.add_argument("--pairs", type=int, default=12)
     ap.add_argument("--multiturn", action="store_true")
+    ap.add_argument("--router", action="store_true",
+                    help="each server behind an sglang-router of its own")
     args = ap.parse_args()
 
     from transformers import AutoConfig
@@ -79,7 +83,7 @@ def main() -> None:
         base_tree = os.path.join(tmp, "base")
         subprocess.run(["git", "-C", ROOT, "worktree", "add", "-q", "--detach", base_tree,
                         args.base], check=True)
-        procs = []
+        procs, routers = [], []
         try:
             trees = {"A " + args.base: base_tree, "B working tree": ROOT}
             urls = {}
@@ -87,6 +91,12 @@ def main() -> None:
                 port_file = os.path.join(tmp, f"port{len(procs)}")
                 procs.append(start_server(tree, path, port_file))
                 urls[name] = wait_url(procs[-1], port_file)
+                if args.router:
+                    from rollout.engines import Router
+
+                    routers.append(Router(tokenizer_path=path))
+                    routers[-1].start([urls[name]])
+                    urls[name] = routers[-1].url
 
             def once(url: str) -> float:
                 if args.multiturn:
@@ -105,7 +115,8 @@ def main() -> None:
                     times[name].append(once(urls[name]))
                     cpu[name].append(cpu_seconds(pids[name]) - c0)
             workload = "multi-turn 64 x 8 turns" if args.multiturn else "burst 64 x 32 tokens"
-            print(f"{args.model}, {workload}, {args.pairs} interleaved pairs:")
+            via = ", each through its own router" if args.router else ""
+            print(f"{args.model}, {workload}{via}, {args.pairs} interleaved pairs:")
             for name in names:
                 ts = times[name]
                 print(f"  {name}: median {statistics.median(ts):.3f} s, best {min(ts):.3f} s; "
@@ -114,6 +125,8 @@ def main() -> None:
             ca, cb = (statistics.median(cpu[n]) for n in names)
             print(f"  ratio of medians B/A: wall {b / a:.3f}, engine CPU {cb / ca:.3f}")
         finally:
+            for router in routers:
+                router.shutdown()
             for p in procs:
                 p.terminate()
             for p in procs:
