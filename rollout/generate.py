@@ -17,7 +17,7 @@ from typing import Any, Optional, Protocol
 
 from rollout.chat import ChatRenderer, load_tokenizer
 from rollout.engines.client import EngineError
-from rollout.http import parse_weight_version, post
+from rollout.http import generate_together, parse_weight_version, post
 from rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class GenerateState:
         self.generate_url = f"{self.router_url}/generate"
         self.max_context_len: int = model.max_context_len
         self.max_concurrency: int = rollout.max_concurrency
+        self.batch_turns_up_to: int = getattr(rollout, "batch_turns_up_to", 0)
         self.chat_template_kwargs = dict(args.data.apply_chat_template_kwargs)
         self.sampling_params = sampling_params_from(rollout.temperature, rollout.top_p,
                                                      rollout.top_k, rollout.max_response_len,
@@ -126,8 +127,10 @@ class EnginePolicy:
             params["sampling_seed"] = (int(params["sampling_seed"]) + 7_919 * self.requests) % 2**31
         self.requests += 1
         payload = {"input_ids": token_ids, "sampling_params": params, "return_logprob": True}
+        # A short turn shares one request with the others ready now (rollout.batch_turns_up_to).
+        send = generate_together if max_new_tokens <= self.state.batch_turns_up_to else post
         async with self.state.semaphore:
-            out = await post(self.state.generate_url, payload)
+            out = await send(self.state.generate_url, payload)
         meta = out.get("meta_info") or {}
         finish = (meta.get("finish_reason") or {}).get("type", "stop")
         ids = list(out.get("output_ids") or [])

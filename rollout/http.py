@@ -1,8 +1,10 @@
-"""HTTP to the router and engines on the rollout path: ``post`` (retries, the abort switch).
+"""HTTP to the router and engines on the rollout path: ``post`` (retries, the abort switch)
+and ``generate_together`` (concurrent short /generate calls as one batched request).
 
 Kept lean because a step is many tiny requests (64 episodes x 6 turns x ~5 tokens on a
 1M-param model, where HTTP/Python overhead dominates): one aiohttp session per process and
-event loop, and callers send ``input_ids`` (never text).
+event loop, callers send ``input_ids`` (never text), and short turns that are ready
+together share one request.
 """
 
 from __future__ import annotations
@@ -78,6 +80,13 @@ def _abort_response() -> dict:
                           "completion_tokens": 0, "output_token_logprobs": []}}
 
 
+def _note_weight_version(out: Any) -> None:
+    if isinstance(out, dict) and "meta_info" in out:
+        version = parse_weight_version(out["meta_info"].get("weight_version"))
+        if version is not None:
+            LAST_WEIGHT_VERSION[0] = version
+
+
 def get_session() -> aiohttp.ClientSession:
     """The aiohttp session of the running event loop (a session is bound to its loop)."""
     loop = asyncio.get_running_loop()
@@ -132,10 +141,8 @@ async def post(url: str, payload: Optional[dict] = None, *, max_retries: int = 8
                 if resp.status < 400:
                     if resp.content_type == "application/json":
                         out = await resp.json()
-                        if isinstance(out, dict) and "meta_info" in out:
-                            version = parse_weight_version(out["meta_info"].get("weight_version"))
-                            if version is not None:
-                                LAST_WEIGHT_VERSION[0] = version
+                        for answer in (out if isinstance(out, list) else [out]):
+                            _note_weight_version(answer)
                         return out
                     body = await resp.text()
                     try:
@@ -168,3 +175,83 @@ def parse_weight_version(value: Any) -> Optional[int]:
         return int(value)
     except (TypeError, ValueError):
         return None
+
+
+class _Together:
+    """The /generate calls of one event loop that are ready at the same moment, grouped by
+    everything but their ``input_ids`` and sent as one batched request per group at the
+    loop's next turn (SGLang's batch form: a list of ``input_ids``, one ``sampling_params``;
+    sglang-router passes it through, and answers come back as a list in the same order)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.pending: dict[tuple[str, str], tuple[dict, list]] = {}
+        self.sending: set[asyncio.Task] = set()  # the loop keeps only weak references
+
+    def add(self, url: str, payload: dict) -> asyncio.Future:
+        rest = {k: v for k, v in payload.items() if k != "input_ids"}
+        key = (url, json.dumps(rest, sort_keys=True))
+        if not self.pending:
+            self.loop.call_soon(self._flush)
+        future = self.loop.create_future()
+        self.pending.setdefault(key, (rest, []))[1].append((payload["input_ids"], future))
+        return future
+
+    def _flush(self) -> None:
+        pending, self.pending = self.pending, {}
+        for (url, _), (rest, items) in pending.items():
+            task = self.loop.create_task(self._send(url, rest, items))
+            self.sending.add(task)
+            task.add_done_callback(self.sending.discard)
+
+    async def _send(self, url: str, rest: dict, items: list) -> None:
+        try:
+            if len(items) == 1:
+                answers = [await post(url, {**rest, "input_ids": items[0][0]})]
+            else:
+                answers = await self._batch(url, rest, [ids for ids, _ in items])
+        except Exception as err:  # the callers raise it, as they would their own request's
+            for _, future in items:
+                if not future.done():
+                    future.set_exception(err)
+            return
+        for (_, future), answer in zip(items, answers):
+            if not future.done():  # a caller that was cancelled (timed out) is gone
+                future.set_result(answer)
+
+    async def _batch(self, url: str, rest: dict, prompts: list) -> list:
+        try:
+            answers = await post(url, {**rest, "input_ids": prompts})
+        except EngineError as err:
+            if err.status is None or not 400 <= err.status < 500:
+                raise
+            # One prompt the engine refuses (e.g. too long) fails only its own call.
+            return await asyncio.gather(*[post(url, {**rest, "input_ids": ids})
+                                          for ids in prompts], return_exceptions=True)
+        if isinstance(answers, dict):  # the abort switch's answer stands for every prompt
+            return [answers] * len(prompts)
+        if not isinstance(answers, list) or len(answers) != len(prompts):
+            raise EngineError(f"POST {url}: {len(prompts)} prompts in one request, but the "
+                              f"answer is not a list of {len(prompts)}: {str(answers)[:200]}")
+        return answers
+
+
+_TOGETHER: dict[int, _Together] = {}
+
+
+async def generate_together(url: str, payload: dict) -> Any:
+    """``post(url, payload)`` for a /generate of one prompt, sent in one request with the
+    other such calls of this event loop that are ready at the same time and differ only in
+    their prompts (e.g. a wave of episodes whose turns all came back together). Each HTTP
+    request costs ~1 ms of CPU over the client, the router and the engine's front, more
+    than a short turn's generation on a small model; a batch answers when its longest
+    prompt is done, so long turns are better sent alone. An engine's 4xx for the batch is
+    retried prompt by prompt, so it fails only the prompt it is about."""
+    loop = asyncio.get_running_loop()
+    together = _TOGETHER.get(id(loop))
+    if together is None or together.loop is not loop:
+        together = _TOGETHER[id(loop)] = _Together(loop)
+    answer = await together.add(url, payload)
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer

@@ -158,3 +158,93 @@ def test_post_errors_are_clear(router):
             await post("http://127.0.0.1:9/generate", {}, max_retries=1)
         await close_session()
     asyncio.run(go())
+
+
+class RecordingProxy:
+    """A pass-through HTTP server in front of the router that keeps each /generate body it
+    forwards (the engines behind it answer; errors pass through with their status)."""
+
+    def __init__(self, target: str):
+        self.target, self.bodies = target, []
+
+    async def __aenter__(self):
+        from aiohttp import web
+
+        async def forward(request):
+            body = await request.json()
+            self.bodies.append(body)
+            try:
+                return web.json_response(await post(f"{self.target}/generate", body))
+            except EngineError as err:
+                return web.Response(status=err.status or 502, text=str(err))
+
+        app = web.Application()
+        app.router.add_post("/generate", forward)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+def policies_behind(proxy, state, params, n):
+    """``n`` engine policies whose requests go through ``proxy``."""
+    args = RolloutArgs(proxy.url, **components.rollout_sections(config()))
+    proxied = GenerateState(args)
+    proxied.batch_turns_up_to = state.batch_turns_up_to
+    return proxied, [EnginePolicy(proxied, dict(params)) for _ in range(n)]
+
+
+def test_short_turns_ready_together_go_as_one_request_each_answer_to_its_caller(state, router):
+    """Eight short turns started together reach the engines as one batched /generate, and
+    each caller gets its own prompt's answer: greedy outputs equal those of the same turns
+    sent one request each (a mix-up of the batch's order would swap them)."""
+    params = dict(state.sampling_params, temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    prompts = [prompt_sample(state).tokens + [10 + k] * (k + 1) for k in range(8)]
+
+    async def turns(up_to):
+        async with RecordingProxy(router) as proxy:
+            proxied, policies = policies_behind(proxy, state, params, len(prompts))
+            proxied.batch_turns_up_to = up_to
+            out = await asyncio.gather(*[p.act(ids, 6) for p, ids in zip(policies, prompts)])
+        await close_session()
+        return out, proxy.bodies
+
+    together, bodies = asyncio.run(turns(16))
+    assert len(bodies) == 1 and bodies[0]["input_ids"] == prompts
+    alone, bodies = asyncio.run(turns(0))
+    assert len(bodies) == len(prompts)
+    assert [ids for ids, _, _ in together] == [ids for ids, _, _ in alone]
+    assert len({tuple(ids) for ids, _, _ in together}) > 1  # the prompts answer differently
+    for (ids, lps, finish), (_, alone_lps, _) in zip(together, alone):
+        assert len(ids) == len(lps) == 6 and finish == "length"
+        assert lps == pytest.approx(alone_lps, abs=1e-4)  # batch-mates change the sums' order
+
+
+def test_a_turn_the_engine_refuses_fails_alone_and_long_turns_go_alone(state, router):
+    """A batch the engines answer with a 4xx is sent again prompt by prompt, so only the
+    turn it is about fails; turns over rollout.batch_turns_up_to new tokens are never
+    batched."""
+    params = dict(state.sampling_params, max_new_tokens=4, ignore_eos=True)
+    good = prompt_sample(state).tokens
+    too_long = good + [11] * state.max_context_len
+
+    async def go():
+        async with RecordingProxy(router) as proxy:
+            _, policies = policies_behind(proxy, state, params, 3)
+            out = await asyncio.gather(policies[0].act(good, 4), policies[1].act(too_long, 4),
+                                       policies[2].act(good, 4), return_exceptions=True)
+            long_turns = await asyncio.gather(*[p.act(good, 17) for p in policies])
+        await close_session()
+        return out, long_turns, proxy.bodies
+
+    out, long_turns, bodies = asyncio.run(go())
+    assert isinstance(out[1], EngineError) and "HTTP 4" in str(out[1])
+    assert [len(o[0]) for o in (out[0], out[2])] == [4, 4]
+    assert isinstance(bodies[0]["input_ids"][0], list) and len(bodies[0]["input_ids"]) == 3
+    assert all(len(o[0]) == 17 for o in long_turns)
+    assert [isinstance(b["input_ids"][0], list) for b in bodies[-3:]] == [False] * 3
