@@ -7,6 +7,9 @@
 Workload: prompts of mixed lengths, each generating exactly --new-tokens tokens
 (ignore_eos), sampled at temperature 1. Reports tokens/s for
 - the engine: all prompts sent at once through sglang-router (continuous batching);
+- the engine on the RL loop's multi-turn shape, twice: a request per turn, and short
+  turns ready together batched into one request as the rollout manager sends them
+  (``rollout.batch_turns_up_to``);
 - transformers' model.generate(): the same prompts, left-padded, in batches of
   --hf-batch-size, one thread, the model loaded with from_pretrained's defaults (SDPA
   attention): what a user would naturally write. --hf-attn eager gives the slower eager
@@ -87,12 +90,18 @@ def prefill_wave(batcher, reqs) -> None:
         batcher._prefill(chunk)
 
 
-async def run_multiturn(url: str, episodes: int, turns: int, vocab: int, seed: int = 0):
+async def run_multiturn(url: str, episodes: int, turns: int, vocab: int, seed: int = 0,
+                        together: bool = False):
     """The RL loop's shape: ``episodes`` concurrent games, each a chain of short turns
-    (prompt ~60-150 tokens, 5-8 new tokens, then ~10 environment tokens appended)."""
+    (prompt ~60-150 tokens, 5-8 new tokens, then ~10 environment tokens appended), one
+    request per turn or, ``together``, as the rollout manager sends short turns: those
+    ready at the same moment with the same sampling params as one batched request
+    (``rollout.http.generate_together``)."""
     import random
 
     import aiohttp
+
+    from rollout.http import close_session, generate_together
 
     rng = random.Random(seed)
     latencies: list[float] = []
@@ -102,11 +111,14 @@ async def run_multiturn(url: str, episodes: int, turns: int, vocab: int, seed: i
         new = 0
         for _ in range(turns):
             t0 = time.perf_counter()
-            async with session.post(url + "/generate", json={
-                    "input_ids": ids, "return_logprob": True,
-                    "sampling_params": {"max_new_tokens": turn_new_tokens(rng), "temperature": 1.0,
-                                        "ignore_eos": True}}) as r:
-                body = await r.json()
+            payload = {"input_ids": ids, "return_logprob": True,
+                       "sampling_params": {"max_new_tokens": turn_new_tokens(rng),
+                                           "temperature": 1.0, "ignore_eos": True}}
+            if together:
+                body = await generate_together(url + "/generate", payload)
+            else:
+                async with session.post(url + "/generate", json=payload) as r:
+                    body = await r.json()
             latencies.append(time.perf_counter() - t0)
             ids = next_prompt(rng, vocab, ids, body["output_ids"])
             new += len(body["output_ids"])
@@ -117,6 +129,7 @@ async def run_multiturn(url: str, episodes: int, turns: int, vocab: int, seed: i
         t0 = time.perf_counter()
         tokens = await asyncio.gather(*[episode(session, k) for k in range(episodes)])
         dt = time.perf_counter() - t0
+    await close_session()
     latencies.sort()
     return dt, sum(tokens), len(latencies), latencies[len(latencies) // 2]
 
@@ -257,12 +270,12 @@ def multiturn_bound(model, episodes: int, turns: int, vocab: int, repeat: int = 
 
 def bench_server(label: str, make_spec, args, prompts, vocab: int, path: str):
     """Both workloads through the router on ``args.engines`` servers of one kind; returns
-    (burst seconds, burst tokens, multi-turn requests/s)."""
+    (burst seconds, burst tokens, multi-turn turns/s: a request each, batched)."""
     from rollout.engines import EngineServer, Router
 
     engines = [EngineServer(make_spec(i), f"bench{i}") for i in range(args.engines)]
     router = Router(tokenizer_path=path)
-    req_s = float("nan")
+    rates = {False: float("nan"), True: float("nan")}
     try:
         urls = [e.start() for e in engines]
         router.start(urls)
@@ -272,12 +285,16 @@ def bench_server(label: str, make_spec, args, prompts, vocab: int, path: str):
         print(f"{label} via router ({args.engines} engine): {tokens} tokens in {dt:.2f}s = "
               f"{tokens / dt:,.0f} tok/s")
         if args.multiturn_turns:
-            m_dt, m_tok, m_req, p50 = asyncio.run(run_multiturn(
-                router.url, args.episodes, args.multiturn_turns, vocab))
-            req_s = m_req / m_dt
-            print(f"{label} multi-turn RL shape: {args.episodes} episodes x "
-                  f"{args.multiturn_turns} turns = {m_req} requests in {m_dt:.2f}s = "
-                  f"{req_s:,.0f} req/s, {m_tok / m_dt:,.0f} new tok/s, p50 latency {p50 * 1000:.0f} ms")
+            for together in (False, True):
+                m_dt, m_tok, m_req, p50 = asyncio.run(run_multiturn(
+                    router.url, args.episodes, args.multiturn_turns, vocab, together=together))
+                how = ("turns ready together batched, as the rollout manager sends them"
+                       if together else "a request per turn")
+                print(f"{label} multi-turn RL shape ({how}): {args.episodes} episodes x "
+                      f"{args.multiturn_turns} turns = {m_req} turns in {m_dt:.2f}s = "
+                      f"{m_req / m_dt:,.0f} turns/s, {m_tok / m_dt:,.0f} new tok/s, p50 "
+                      f"latency {p50 * 1000:.0f} ms")
+                rates[together] = m_req / m_dt
         for e in engines:
             info = e.client.server_info()
             if "prefill_s" in info:
@@ -287,7 +304,7 @@ def bench_server(label: str, make_spec, args, prompts, vocab: int, path: str):
         router.shutdown()
         for e in engines:
             e.shutdown()
-    return dt, tokens, req_s
+    return dt, tokens, rates[False], rates[True]
 
 
 def main() -> None:
@@ -340,9 +357,11 @@ def main() -> None:
     e_tps = e_tokens / e_dt
     if len(results) > 1:
         print("\nside by side (same prompts, same run):")
-        print(f"  {'server':<28} {'burst s':>8} {'tok/s':>8} {'multi-turn req/s':>17}")
-        for label, (dt, tokens, req_s) in results.items():
-            print(f"  {label:<28} {dt:>8.2f} {tokens / dt:>8,.0f} {req_s:>17,.0f}")
+        print(f"  {'server':<28} {'burst s':>8} {'tok/s':>8} {'multi-turn turns/s':>19} "
+              f"{'batched':>8}")
+        for label, (dt, tokens, req_s, batched_s) in results.items():
+            print(f"  {label:<28} {dt:>8.2f} {tokens / dt:>8,.0f} {req_s:>19,.0f} "
+                  f"{batched_s:>8,.0f}")
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     h_dt, h_tokens = min(run_hf_generate(model, prompts, args.new_tokens, args.hf_batch_size, pad)
@@ -357,14 +376,15 @@ def main() -> None:
           + f" -> {b_tps:,.0f} tok/s")
     print(f"ratio engine / generate(): {e_tps / h_tps:.2f}x; engine / bound: {e_tps / b_tps:.2f} "
           f"(bound / engine time: {e_dt / bound_dt:.2f}x)")
-    m_req_s = results["homegym CPU engine (fp32)"][2]
+    m_rates = results["homegym CPU engine (fp32)"][2:]
     if args.multiturn_turns and lean.supports(fast_model):
         m_bound = multiturn_bound(fast_model, args.episodes, args.multiturn_turns,
                                   model.config.vocab_size, args.repeat)
-        m_dt = args.episodes * args.multiturn_turns / m_req_s
+        each, batched = (args.episodes * args.multiturn_turns / r for r in m_rates)
         print(f"multi-turn bound (each turn one wave, prefilled together and decoded to the "
               f"end by the engine's scheduler code in one thread, no serving path): "
-              f"{m_bound:.2f}s; engine / bound time: {m_dt / m_bound:.2f}x")
+              f"{m_bound:.2f}s; engine / bound time: {each / m_bound:.2f}x a request per "
+              f"turn, {batched / m_bound:.2f}x batched")
 
 
 if __name__ == "__main__":
