@@ -10,5 +10,5 @@ from rollout.lazy_exports import lazy_exports
 # submodule of this package, and the generate machinery behind these names (aiohttp among
 # it) would cost each of those processes ~0.3 CPU-s at start for nothing.
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "rollout.generate": ("GenerateState",), "rollout.http": ("post",),
+    "rollout.generate": ("GenerateState",), "rollout.http": ("post", "generate_together"),
     "rollout.sample": ("Sample", "RolloutBatch")})
