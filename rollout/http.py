@@ -101,7 +101,9 @@ def get_session() -> aiohttp.ClientSession:
 
 
 async def close_session() -> None:
-    session = _SESSIONS.pop(id(asyncio.get_running_loop()), None)
+    loop_id = id(asyncio.get_running_loop())
+    _TOGETHER.pop(loop_id, None)
+    session = _SESSIONS.pop(loop_id, None)
     if session is not None:
         await session.close()
 
