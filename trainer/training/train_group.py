@@ -22,6 +22,18 @@ from typing import Any, Iterator, Optional
 
 import ray
 
+# How long ranks wait for each other, at the rendezvous and in every collective.
+_RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
+
+
+def _free_address() -> tuple[str, int]:
+    """This node's IP and a port free a moment ago, for a group whose other members (the
+    engines, SGLang's protocol) are told where to meet before its store exists."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
 
 class TrainActor:
     """One training rank (use through ``TrainGroup``; wrapped with ``ray.remote`` there).
@@ -46,13 +58,18 @@ class TrainActor:
         self.backend_args = backend_args
         self.backend = None
         self._weight_groups: dict = {}  # rank 0: the broadcast group with each engine, by name
+        self._store = None  # rank 0: the rendezvous store (rendezvous_address)
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """This node's IP and a free port (asked of rank 0)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        """Rank 0: start the group's rendezvous store and return this node's IP and the
+        store's port. The store binds port 0 itself: a port found free and bound later was
+        at times taken by another process in between (EADDRINUSE on a busy node)."""
+        import torch.distributed as dist
+
+        address = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(address, 0, self.world_size, is_master=True,
+                                    timeout=_RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+        return address, self._store.port
 
     def init(self, master_address: str, master_port: int) -> None:
         import torch.distributed as dist
@@ -60,9 +77,11 @@ class TrainActor:
         from trainer.training.backends import make_backend
 
         backend = "nccl" if self.device == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{master_address}:{master_port}",
-                                rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(minutes=30))
+        store = self._store if self.rank == 0 else dist.TCPStore(
+            master_address, master_port, self.world_size, is_master=False,
+            timeout=_RENDEZVOUS_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=self.rank,
+                                world_size=self.world_size, timeout=_RENDEZVOUS_TIMEOUT)
         self.backend = make_backend(self.backend_name)
         self.backend.init(rank=self.rank, world_size=self.world_size, **self.backend_args)
 
@@ -100,7 +119,7 @@ class TrainActor:
         from trainer.weight_sync.push import join_broadcast_group
 
         for target, name in zip(targets, group_names):
-            address, port = self.rendezvous_address()
+            address, port = _free_address()
             self._weight_groups[name] = join_broadcast_group(target, address, port, name, backend)
 
     def destroy_weight_broadcast(self, group_names: Optional[list] = None) -> None:
