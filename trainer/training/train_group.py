@@ -16,7 +16,6 @@ global loss denominators from it, so no rank needs another rank's data.
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from typing import Any, Iterator, Optional
 
@@ -24,15 +23,6 @@ import ray
 
 # How long ranks wait for each other, at the rendezvous and in every collective.
 _RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
-
-
-def _free_address() -> tuple[str, int]:
-    """This node's IP and a port free a moment ago, for a group whose other members (the
-    engines, SGLang's protocol) are told where to meet before its store exists."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
 
 
 class TrainActor:
@@ -116,11 +106,15 @@ class TrainActor:
         ``group_names``), as that group's rank 0 (SGLang's protocol)."""
         if self.rank != 0:
             return
+        from rollout.engines.actor import free_port
         from trainer.weight_sync.push import join_broadcast_group
 
+        # SGLang's protocol tells the engine where to meet before the group's store exists,
+        # so the port is one found free (on every interface: engines may be on other nodes).
+        address = ray.util.get_node_ip_address()
         for target, name in zip(targets, group_names):
-            address, port = _free_address()
-            self._weight_groups[name] = join_broadcast_group(target, address, port, name, backend)
+            self._weight_groups[name] = join_broadcast_group(target, address, free_port(""),
+                                                             name, backend)
 
     def destroy_weight_broadcast(self, group_names: Optional[list] = None) -> None:
         """Rank 0 leaves weight-update groups (all by default), freeing what each holds
