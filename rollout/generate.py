@@ -63,7 +63,7 @@ class GenerateState:
         self.generate_url = f"{self.router_url}/generate"
         self.max_context_len: int = model.max_context_len
         self.max_concurrency: int = rollout.max_concurrency
-        self.batch_turns_up_to: int = getattr(rollout, "batch_turns_up_to", 0)
+        self.batch_turns_up_to: int = rollout.batch_turns_up_to
         self.chat_template_kwargs = dict(args.data.apply_chat_template_kwargs)
         self.sampling_params = sampling_params_from(rollout.temperature, rollout.top_p,
                                                      rollout.top_k, rollout.max_response_len,
