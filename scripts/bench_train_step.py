@@ -1,7 +1,7 @@
 """The FSDP rank's RL train step in one process (one rank over gloo, one thread), two
 implementations of one part side by side, interleaved.
 
-    .venv/bin/python scripts/bench_train_step.py [--compare optimizer|attention]
+    .venv/bin/python scripts/bench_train_step.py [--compare optimizer|attention|vocab]
         [--steps 12] [--groups 4] [--group-size 8]
     .venv/bin/python scripts/bench_train_step.py --profile     # torch profiler, top ops
 
@@ -14,7 +14,10 @@ The comparisons, the second variant of each being what the backend uses:
 - ``optimizer``: torch's AdamW as torch picks it on CPU (its per-tensor loop) against the
   fused one; also times the optimizer step alone;
 - ``attention``: the shared-prefix attention with every row re-padded to the longest
-  suffix against rows in buckets of similar length (``packed_attention.row_buckets``).
+  suffix against rows in buckets of similar length (``packed_attention.row_buckets``);
+- ``vocab``: the response tokens' log-probs and entropies from two passes over the
+  vocabulary (``token_log_probs``, ``entropy_from_logits``) against one
+  (``token_log_probs_and_entropy``).
 
 Not a test: timings depend on the machine and on what else runs.
 """
@@ -22,6 +25,7 @@ Not a test: timings depend on the machine and on what else runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -45,6 +49,21 @@ def _optimizer(impl: dict):
     return apply
 
 
+def _vocab_passes(n: int):
+    def apply() -> None:
+        from trainer.training.algo import losses
+        from trainer.training.backends import fsdp
+
+        def two_passes(logits, targets, *, entropy_grad):
+            with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+                entropy = losses.entropy_from_logits(logits)
+            return losses.token_log_probs(logits, targets), entropy
+        # read by the backend's forward at every call
+        fsdp.token_log_probs_and_entropy = (two_passes if n == 2
+                                            else losses.token_log_probs_and_entropy)
+    return apply
+
+
 def _buckets(n: int):
     def apply() -> None:
         from trainer.training.backends import packed_attention
@@ -58,6 +77,7 @@ def _buckets(n: int):
 COMPARISONS = {
     "optimizer": {"default": _optimizer({}), "fused": _optimizer({"fused": True, "foreach": None})},
     "attention": {"one width": _buckets(1), "buckets": _buckets(4)},
+    "vocab": {"two passes": _vocab_passes(2), "one pass": _vocab_passes(1)},
 }
 
 

@@ -12,7 +12,6 @@ sync, checkpoint format, offload. The step loop, loss, advantages and batching a
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Iterator, Optional
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 from transformers import DynamicCache
 
-from trainer.training.algo.losses import entropy_from_logits, token_log_probs
+from trainer.training.algo.losses import token_log_probs, token_log_probs_and_entropy
 from trainer.training.backends.base import NamedTensors, bucketed
 from trainer.training.backends.batching import (
     BatchLike, MicroBatch, build_micro_batch, build_shared_prefix_micro_batch, check_batch,
@@ -190,13 +189,9 @@ class FSDPBackend(StepLoop):
                                  logits_to_keep=self._keep(keep), use_cache=False).logits, keep)
             flat = keep.flatten().cumsum(0) - 1  # position -> row of the kept logits
             selected = logits[flat[mb.row_idx * keep.shape[1] + mb.col_idx]]
-        logp = token_log_probs(selected, mb.targets)
-        entropy = None
         if with_entropy:
-            ctx = contextlib.nullcontext() if entropy_grad else torch.no_grad()
-            with ctx:
-                entropy = entropy_from_logits(selected)
-        return logp, entropy
+            return token_log_probs_and_entropy(selected, mb.targets, entropy_grad=entropy_grad)
+        return token_log_probs(selected, mb.targets), None
 
     def _keep(self, keep: torch.Tensor):
         return keep if self.bool_keep else 0  # 0: every position
