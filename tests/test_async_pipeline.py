@@ -1,13 +1,16 @@
-"""The async loop's two pieces on their own: `filter_stale` (which samples a step may train
-on) and `RolloutPipeline` (how far generation runs ahead of training). The pipeline drives
+"""The async loop's pieces on their own: `filter_stale` (which samples a step may train
+on), `RolloutPipeline` (how far generation runs ahead of training) and `TrailingWork`
+(what a step leaves to run behind it). The pipeline drives
 a real Ray actor that records the steps it was asked to generate and stores their batches
 as the rollout manager does (`BatchRef.put`, `RolloutBatch.select`)."""
+
+import threading
 
 import pytest
 
 from rollout.batch_ref import BatchRef
 from rollout.sample import RolloutBatch
-from trainer.driver.pipeline import RolloutPipeline, filter_stale
+from trainer.driver.pipeline import RolloutPipeline, TrailingWork, filter_stale
 
 
 def batch(versions, groups):
@@ -159,3 +162,23 @@ def test_stale_groups_are_cut_where_the_batch_lives_and_requeued(recorder, ray_l
         assert same is fresh and ray_local.get(recorder.seen_requeued.remote()) == [([6], "stale")]
     finally:
         p.close()
+
+
+def test_trailing_work_runs_in_order_behind_the_caller_and_join_raises_the_first_error():
+    gate, ran = threading.Event(), []
+
+    def fail(n):
+        ran.append(n)
+        raise ValueError(f"job {n} failed")
+    trailing = TrailingWork()
+    trailing.start(lambda: (gate.wait(30), ran.append(1)))
+    trailing.start(lambda: fail(2))
+    trailing.start(lambda: fail(3))
+    trailing.start(lambda: ran.append(4))
+    assert ran == []  # start returned while the first job still waits
+    gate.set()
+    with pytest.raises(ValueError, match="job 2 failed"):
+        trailing.join()
+    assert ran == [1, 2, 3, 4]  # every job had run when join raised
+    trailing.join()  # nothing left
+    trailing.close()

@@ -121,10 +121,13 @@ def test_no_request_after_a_push_uses_kv_of_the_old_weights(engine, loop, tiny_m
 
     wait_for(lambda: engine.client.server_info()["num_running_reqs"] == 1, timeout_s=30,
              what="the long request to be decoding")
-    update_generating_engines(
+    _, settle = update_generating_engines(
         EngineView([engine.client], [1], [0]), Pusher(engine, new, on_push=send_second), 1,
         update_in_flight=mode, hold=lambda: on_loop(GATE.hold),
         release=lambda: on_loop(GATE.release), flush_timeout_s=120)
+    # The rest of the update is the caller's to run (the driver: while the ranks train).
+    assert GATE.held == (mode == "pause") and not second[0].done()
+    settle()
     assert not GATE.held
     out = second[0].result(60)["meta_info"]
     assert out["weight_version"] == "1" and out["weight_versions"] == ["1"]

@@ -25,6 +25,7 @@ the base-vs-trained evaluation table and curves.png (trainer/driver/report.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from trainer.driver.memory_plan import check_memory
 from trainer.driver.evaluation import print_line, run_evaluation, write_eval_table, write_rows
 from trainer.driver.metrics import MetricsLogger, redact, timed, write_json
 from trainer.driver.mismatch_watch import MismatchWatch, staleness_metrics
-from trainer.driver.pipeline import RolloutPipeline
+from trainer.driver.pipeline import RolloutPipeline, TrailingWork
 from trainer.weight_sync.engine_updates import update_generating_engines, update_idle_engines
 from rollout.batch_ref import BatchRef
 from rollout.models import resolve_model_path
@@ -96,6 +97,7 @@ class Driver:
         self.rt = runtime
         self.ckpt = CheckpointManager(run_dir)
         self._pipeline: RolloutPipeline | None = None
+        self._trailing: TrailingWork | None = None  # async: the last step's trailing work
         self._prefetched: list[tuple[int, Any]] = []  # whole batches from a checkpoint
         self.logger: MetricsLogger | None = None
         self.evals: dict[str, dict[str, float]] = {}
@@ -218,6 +220,7 @@ class Driver:
                 if len(batch):
                     with self.trainer_turn(metrics):
                         metrics.update(self.train(step, batch))
+                    self.record_trained(step, batch)
                     metrics.update(self.with_recovery(lambda: self.push_weights(step), metrics))
             metrics = {**batch.metrics, **metrics}
             del batch  # trained on: the store frees it while the next step generates
@@ -234,6 +237,7 @@ class Driver:
                                    prefetched=self._prefetched)
         self._prefetched = []
         self._pipeline = pipeline
+        self._trailing = trailing = TrailingWork()
         version = start_step
         try:
             for step in range(start_step + 1, cfg.train.num_steps + 1):
@@ -247,20 +251,24 @@ class Driver:
                     metrics.update(stale)
                     if len(batch):
                         metrics.update(self.train(step, batch))
+                        # The last step's trailing work ran while this one trained.
+                        self.with_recovery(trailing.join, metrics)
 
                         def update() -> dict[str, float]:
-                            pushed = update_generating_engines(
+                            pushed, settle = update_generating_engines(
                                 rt.engines, rt.weights, step,
                                 update_in_flight=cfg.rollout.update_in_flight,
                                 hold=lambda: ray.get(rt.manager.hold_generation.remote()),
                                 release=lambda: ray.get(rt.manager.release_generation.remote()),
                                 flush_timeout_s=cfg.rollout.sample_timeout_s)
                             self.weight_version = step
+                            trailing.start(settle)
                             return pushed
                         # Engines that died while generating come back on the current
                         # policy (their requests went to the others), then all are updated.
                         self.recover_engines(metrics)
                         metrics.update(self.with_recovery(update, metrics))
+                        trailing.start(functools.partial(self.record_trained, step, batch))
                     version = step
                 metrics = {**batch.metrics, **metrics}
                 del batch  # trained on (or dropped): the store may free it
@@ -269,11 +277,14 @@ class Driver:
             # Do not wait for a generation in flight: after a failed update it may wait on
             # a paused engine for ever. Tearing the manager down ends it.
             pipeline.close(wait=False)
+            trailing.close(wait=False)
             raise
         else:
             pipeline.close()
+            trailing.join()
+            trailing.close()
         finally:
-            self._pipeline = None
+            self._pipeline = self._trailing = None
 
     def push_weights(self, version: int) -> dict[str, float]:
         """Push to engines that are not generating (trainer.weight_sync.engine_updates)."""
@@ -325,13 +336,24 @@ class Driver:
         with timed(metrics, "perf/train_time"):
             # The ref itself, as a top-level argument: each rank resolves it.
             metrics.update(self.rt.train_group.train_step(batch.ref))
-        ray.get(self.rt.manager.mark_trained.remote(batch.group_ids))  # the prompt ledger
-        self._record_data_order(step, batch)
         return metrics
+
+    def record_trained(self, step: int, batch: BatchRef) -> None:
+        """The prompt ledger marks the batch's groups trained; data_order.jsonl gets the
+        step's line."""
+        ray.get(self.rt.manager.mark_trained.remote(batch.group_ids))
+        self._record_data_order(step, batch)
+
+    def join_trailing(self) -> None:
+        """Wait for the async loop's trailing work (before a checkpoint, an evaluation or
+        the ledger check, which need it done)."""
+        if self._trailing is not None:
+            self._trailing.join()
 
     def write_ledger(self) -> dict[str, float]:
         """Check the prompt ledger (every group trained at most once, every row of each
         completed epoch accounted for) and write its figures to ledger.json."""
+        self.join_trailing()
         summary = ray.get(self.rt.manager.verify_ledger.remote())
         write_json(self.run_dir / "ledger.json", summary)
         return summary
@@ -347,6 +369,7 @@ class Driver:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, name: str, *, step: int) -> dict[str, float]:
+        self.join_trailing()  # the engines let generation through again
         if self._pipeline is not None:
             self._pipeline.prefetched()  # one manager call at a time: let generation finish
         metrics, rows = run_evaluation(self.rt.manager, train_split=self.config.eval.train_split)
@@ -361,6 +384,7 @@ class Driver:
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> Path:
         rt = self.rt
+        self.join_trailing()  # the ledger holds the last step's groups
         prefetched = self._pipeline.checkpoint_state() if self._pipeline is not None else []
         state = {"manager": ray.get(rt.manager.state_dict.remote()), "prefetched": prefetched}
         model_dir = resolve_model_path(self.config.model.path, self.config.model.cache_dir)

@@ -1,10 +1,14 @@
-"""The async loop's rollout pipeline: generation ahead of training, within the staleness bound.
+"""The async loop's overlap: generation ahead of training, within the staleness bound, and
+each step's trailing work behind it.
 
 ``RolloutPipeline`` runs the rollout manager's ``generate_ref`` calls one after another on
 a background thread, as far ahead of training as ``algo.max_staleness`` allows, and drops
 (or counts) the samples that are staler than the bound by the time they are trained on
 (``filter_stale``). Batches stay in the object store throughout: the pipeline holds
 ``BatchRef``s, and a batch is cut where it lives, by the manager's ``select``.
+
+``TrailingWork`` runs what is left of a step once its weights are pushed (the end of the
+engines' update, the prompt ledger's record) while the ranks train the next one.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import ray
 
@@ -127,3 +131,27 @@ class RolloutPipeline:
     def close(self, wait: bool = True) -> None:
         self._executor.shutdown(wait=wait, cancel_futures=True)
 
+
+
+class TrailingWork:
+    """What a step leaves to do after its push: calls the ranks need not wait for, run in
+    order on a thread of their own while the driver goes on with the next step. ``join``
+    waits for them and raises the first one's error; call it before anything that needs
+    them done (the next update, a checkpoint, an evaluation, the ledger check)."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trailing")
+        self._pending: list[Future] = []
+
+    def start(self, work: Callable[[], object]) -> None:
+        self._pending.append(self._executor.submit(work))
+
+    def join(self) -> None:
+        pending, self._pending = self._pending, []
+        for future in pending:  # all of them, so none still runs when the first error is raised
+            future.exception()
+        for future in pending:
+            future.result()
+
+    def close(self, wait: bool = True) -> None:
+        self._executor.shutdown(wait=wait, cancel_futures=True)

@@ -43,17 +43,26 @@ def update_idle_engines(engines, weights, version: int, *, colocated: bool) -> d
 
 def update_generating_engines(engines, weights, version: int, *, update_in_flight: str,
                               hold: Callable[[], None], release: Callable[[], None],
-                              flush_timeout_s: float) -> dict[str, float]:
+                              flush_timeout_s: float
+                              ) -> tuple[dict[str, float], Callable[[], None]]:
     """Push ``version`` to disaggregated engines while the rollout generates.
     ``hold`` / ``release``: stop and restart the rollout's new engine calls (the rollout
     manager's ``hold_generation`` / ``release_generation``). ``flush_timeout_s``: how long
-    the requests in flight may take to finish (pause mode)."""
+    the requests in flight may take to finish (pause mode).
+
+    Returns the push's metrics and ``settle``, the rest of the update: generation goes on,
+    the prefix caches are flushed as the engines go idle, new requests are let through.
+    The caller runs it next, or later on a thread of its own while it does other work (the
+    ranks train the next step), provided it waits for it before the next update. If the
+    push fails, generation goes on and new requests are let through before the error is
+    raised (no flush: the caller restarts what died and pushes again)."""
     if update_in_flight == "abort":
         engines.pause_generation(mode="abort")
         try:
-            return weights.push(version, flush=True)
-        finally:
+            return weights.push(version, flush=True), engines.continue_generation
+        except BaseException:
             engines.continue_generation()
+            raise
     if update_in_flight != "pause":
         raise ValueError("rollout.update_in_flight must be pause or abort "
                          f"(got {update_in_flight!r})")
@@ -62,9 +71,17 @@ def update_generating_engines(engines, weights, version: int, *, update_in_fligh
         engines.pause_generation(mode="in_place")
         try:
             metrics = weights.push(version, flush=False)
-        finally:
+        except BaseException:
             engines.continue_generation()
-        engines.flush_cache(timeout_s=flush_timeout_s)
-        return metrics
-    finally:
+            raise
+    except BaseException:
         release()
+        raise
+
+    def settle() -> None:
+        try:
+            engines.continue_generation()
+            engines.flush_cache(timeout_s=flush_timeout_s)
+        finally:
+            release()
+    return metrics, settle
