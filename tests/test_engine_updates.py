@@ -17,7 +17,7 @@ from conftest import fresh_logprobs, running_engine, starts_processes, wait_for
 from rollout.engines import HFLaunch
 from rollout.engines.group import EngineTarget, EngineView
 from trainer.weight_sync.engine_updates import update_generating_engines
-from trainer.weight_sync.push import PushPlan, send_weights
+from trainer.weight_sync.push import PushPlan, read_back, send_weights
 
 # The tiny model's whole context: the tests that pause, abort or update an engine while a
 # request decodes send one this long, ~1.3 ms a token on 2 cores, so that it is still
@@ -60,19 +60,26 @@ def weights(model_path, seed):
 
 
 class Pusher:
-    """WeightSync.push without the training ranks: the rank side's send_weights itself,
-    flushing after the push as the plan says."""
+    """WeightSync.push and verify without the training ranks: the rank side's
+    send_weights itself, flushing after the push as the plan says, and the read-back."""
 
     def __init__(self, engine, named, on_push=None):
+        self.engine = engine
         self.target = EngineTarget(engine.name, engine.url, None, 1)
         self.named, self.on_push = named, on_push
+        self.unchecked = {}
 
-    def push(self, version, *, flush):
+    def push(self, version, *, flush, verify=True):
         if self.on_push is not None:
             self.on_push()
         plan = PushPlan(mode="tensor", version=version, targets=(self.target,),
-                        bucket_bytes=1 << 20, dtype="float32", device="cpu", flush_cache=flush)
-        return send_weights([self.named], plan, rank=0, world_size=1)
+                        bucket_bytes=1 << 20, dtype="float32", device="cpu", flush_cache=flush,
+                        read_back=verify)
+        metrics, self.unchecked = send_weights([self.named], plan, rank=0, world_size=1)
+        return metrics
+
+    def verify(self, version):
+        self.read = read_back([self.engine.client], self.unchecked, version)
 
 
 def model_with(model_path, named):
@@ -121,14 +128,17 @@ def test_no_request_after_a_push_uses_kv_of_the_old_weights(engine, loop, tiny_m
 
     wait_for(lambda: engine.client.server_info()["num_running_reqs"] == 1, timeout_s=30,
              what="the long request to be decoding")
+    pusher = Pusher(engine, new, on_push=send_second)
     _, settle = update_generating_engines(
-        EngineView([engine.client], [1], [0]), Pusher(engine, new, on_push=send_second), 1,
+        EngineView([engine.client], [1], [0]), pusher, 1,
         update_in_flight=mode, hold=lambda: on_loop(GATE.hold),
         release=lambda: on_loop(GATE.release), flush_timeout_s=120)
-    # The rest of the update is the caller's to run (the driver: while the ranks train).
+    # The rest of the update is the caller's to run (the driver: while the ranks train),
+    # the read-back of what the push left unchecked first.
     assert GATE.held == (mode == "pause") and not second[0].done()
+    assert pusher.unchecked and not hasattr(pusher, "read")
     settle()
-    assert not GATE.held
+    assert not GATE.held and pusher.read == len(pusher.unchecked)
     out = second[0].result(60)["meta_info"]
     assert out["weight_version"] == "1" and out["weight_versions"] == ["1"]
     assert out["cached_tokens"] == 0, "turn 2 was served KV computed with the old weights"

@@ -41,7 +41,7 @@ def test_weight_sync_round_trip(ray_local, tiny_model_path):
 
     from rollout.demos import make_demos
     from rollout.sample import RolloutBatch
-    from trainer.weight_sync.push import WeightSyncError, _TensorSender
+    from trainer.weight_sync.push import WeightSyncError, read_back
 
     config = compose_config("train.ranks_per_node=1", "rollout.num_engines=1")
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
@@ -82,12 +82,18 @@ def test_weight_sync_round_trip(ray_local, tiny_model_path):
         assert torch.allclose(trainer_log_probs(ids), after, atol=1e-4)
 
         # The read-back check compares what the engine holds with what was sent.
-        sender = _TensorSender(sync.plan(1), rank=0, world_size=1)
         held = group.named_weight_buckets(sync.bucket_bytes)[0]
         norm = dict(held)["model.norm.weight"]
-        sender.verify({"model.norm.weight": norm[:4]})  # what the engine holds: passes
+        assert read_back(engines.clients, {"model.norm.weight": norm[:4]}, 1) == 1
         with pytest.raises(WeightSyncError, match="differs from what was pushed"):
-            sender.verify({"model.norm.weight": norm[:4] + 1e-3})
+            read_back(engines.clients, {"model.norm.weight": norm[:4] + 1e-3}, 1)
+        # A push that leaves its checks to the caller reads them back in verify.
+        sync.push(version=1, verify=False)
+        sync.verify(version=1)
+        sync.push(version=1, verify=False)
+        sync._unchecked["model.norm.weight"] += 1e-3  # as if the engine held other weights
+        with pytest.raises(WeightSyncError, match="differs from what was pushed"):
+            sync.verify(version=1)
         # A verification that sees an engine on the wrong version fails loudly.
         with pytest.raises(WeightSyncError):
             sync.verify(version=2)

@@ -86,8 +86,8 @@ def _record_homegym_traffic(version: str, model_path: str, tmp_path) -> list:
         target = (EngineTarget("proxied", url, None, 1),)
         plan = PushPlan(mode="tensor", version=1, targets=target, bucket_bytes=1 << 20,
                         dtype="float32", device="cpu", flush_cache=True)
-        assert send_weights([weights[:3], weights[3:]], plan, rank=0, world_size=1)[
-            "perf/weight_sync_checked_tensors"] > 0
+        metrics, _ = send_weights([weights[:3], weights[3:]], plan, rank=0, world_size=1)
+        assert metrics["perf/weight_sync_checked_tensors"] > 0
         port = free_port()
         name = f"{GROUP_NAME}_contract_{version}"  # one group name per process and group
         group = join_broadcast_group(target[0], "127.0.0.1", port, name, "gloo")

@@ -127,9 +127,10 @@ class TrainActor:
             if group is not None:
                 dist.destroy_process_group(group)
 
-    def send_weights(self, plan) -> dict[str, float]:
+    def send_weights(self, plan) -> tuple[dict[str, float], dict]:
         """Stream this backend's weights to the engines of ``plan``
-        (trainer.weight_sync.push.PushPlan)."""
+        (trainer.weight_sync.push.PushPlan); this rank's metrics and the check tensors it
+        leaves to the driver (``trainer.weight_sync.push.send_weights``)."""
         from trainer.weight_sync.push import DTYPES, send_weights
 
         buckets = self.backend.named_weight_buckets(plan.bucket_bytes, device=plan.device,
@@ -274,14 +275,15 @@ class TrainGroup:
     def destroy_weight_broadcast(self, group_names: Optional[list] = None) -> None:
         ray.get(self.actors[0].destroy_weight_broadcast.remote(group_names))
 
-    def send_weights(self, plan) -> dict[str, float]:
+    def send_weights(self, plan) -> tuple[dict[str, float], dict]:
         """Every rank streams its share of ``plan`` to the engines; rank 0's metrics (the
-        model's bytes and buckets) plus the tensors read back on every rank."""
+        model's bytes and buckets) plus the tensors read back on every rank, and the check
+        tensors left to the driver when ``plan.read_back`` is off (rank 0's)."""
         results = self._all("send_weights", plan)
-        metrics = dict(results[0])
+        metrics = dict(results[0][0])
         metrics["perf/weight_sync_checked_tensors"] = sum(
-            r["perf/weight_sync_checked_tensors"] for r in results)
-        return metrics
+            m["perf/weight_sync_checked_tensors"] for m, _ in results)
+        return metrics, results[0][1]
 
     def export_hf(self, out_dir: str, source_dir: str, bucket_bytes: int) -> None:
         self._all("export_hf", str(out_dir), source_dir, bucket_bytes)

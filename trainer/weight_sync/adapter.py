@@ -59,12 +59,14 @@ class AdapterSync:
         self.announce = announce
         self.bucket_bytes = train.weight_bucket_mb * 2**20  # for HF exports
 
-    def push(self, version: int, engines=None, *, flush: Optional[bool] = None) -> dict[str, float]:
+    def push(self, version: int, engines=None, *, flush: Optional[bool] = None,
+             verify: bool = True) -> dict[str, float]:
         """Write the adapter, load it into every engine (or ``engines``, an EngineView)
         as ``homegym-v<version>``, report ``version``, route requests to it, then unload
         adapters older than the previous one. ``flush`` is not needed: SGLang keys its
         radix cache by adapter (0.5.18 managers/schedule_batch.py:923-926), so a new
-        adapter's requests never find KV of another."""
+        adapter's requests never find KV of another. ``verify=False``: the version check
+        waits for the caller's ``verify(version)``."""
         start = time.perf_counter()
         engines = engines or self.engines
         name = adapter_name(version)
@@ -76,7 +78,8 @@ class AdapterSync:
             self._each(engines, lambda c: c.update_weight_version(version))
         except Exception as err:
             raise WeightSyncError(f"adapter push of version {version} failed: {err}") from err
-        self.verify(version, engines)
+        if verify:
+            self.verify(version, engines)
         self.announce(name)
         # Each engine's answer lists what it holds (a restarted one: only the new adapter).
         fan_out(lambda pair: self._unload_stale(*pair, version), zip(engines.clients, loaded))

@@ -50,8 +50,9 @@ def update_generating_engines(engines, weights, version: int, *, update_in_fligh
     manager's ``hold_generation`` / ``release_generation``). ``flush_timeout_s``: how long
     the requests in flight may take to finish (pause mode).
 
-    Returns the push's metrics and ``settle``, the rest of the update: generation goes on,
-    the prefix caches are flushed as the engines go idle, new requests are let through.
+    Returns the push's metrics and ``settle``, the rest of the update: the engines'
+    weights are verified (``weights.verify``), generation goes on, the prefix caches are
+    flushed as the engines go idle, new requests are let through.
     The caller runs it next, or later on a thread of its own while it does other work (the
     ranks train the next step), provided it waits for it before the next update. If the
     push fails, generation goes on and new requests are let through before the error is
@@ -59,10 +60,17 @@ def update_generating_engines(engines, weights, version: int, *, update_in_fligh
     if update_in_flight == "abort":
         engines.pause_generation(mode="abort")
         try:
-            return weights.push(version, flush=True), engines.continue_generation
+            metrics = weights.push(version, flush=True, verify=False)
         except BaseException:
             engines.continue_generation()
             raise
+
+        def settle_aborted() -> None:
+            try:
+                weights.verify(version)
+            finally:
+                engines.continue_generation()
+        return metrics, settle_aborted
     if update_in_flight != "pause":
         raise ValueError("rollout.update_in_flight must be pause or abort "
                          f"(got {update_in_flight!r})")
@@ -70,7 +78,7 @@ def update_generating_engines(engines, weights, version: int, *, update_in_fligh
     try:
         engines.pause_generation(mode="in_place")
         try:
-            metrics = weights.push(version, flush=False)
+            metrics = weights.push(version, flush=False, verify=False)
         except BaseException:
             engines.continue_generation()
             raise
@@ -80,7 +88,10 @@ def update_generating_engines(engines, weights, version: int, *, update_in_fligh
 
     def settle() -> None:
         try:
-            engines.continue_generation()
+            try:
+                weights.verify(version)
+            finally:
+                engines.continue_generation()
             engines.flush_cache(timeout_s=flush_timeout_s)
         finally:
             release()

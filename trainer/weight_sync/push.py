@@ -82,6 +82,9 @@ class PushPlan:
     # The server-side loaders of SGLang's CPU backend (SGLANG_CPU_LOADERS): buckets are
     # loaded with the first, and a final empty update with the second re-packs them.
     loaders: tuple = ()
+    # The ranks read the check tensors back from their engines; False: rank 0 returns them
+    # instead, for the driver to read back later (WeightSync.verify).
+    read_back: bool = True
 
 
 def source_rank(engine: int, tp_rank: int, tp_size: int, world_size: int) -> int:
@@ -116,6 +119,7 @@ class WeightSync:
         # holds the other end of each.
         self._groups: dict[str, tuple[str, Any]] = {}
         self._groups_made = 0
+        self._unchecked: dict[str, torch.Tensor] = {}  # the last push's, if it left them
         # A hybrid model's cached prefixes carry recurrent states computed with the old
         # weights: every push flushes them (trainer/driver/preflight.py refuses the one layout
         # where a flush cannot happen, requests waiting in place).
@@ -140,17 +144,19 @@ class WeightSync:
             loaders=SGLANG_CPU_LOADERS if (rollout.engine == "sglang"
                                            and cluster.device == "cpu") else ())
 
-    def push(self, version: int, engines=None, *, flush: Optional[bool] = None) -> dict[str, float]:
+    def push(self, version: int, engines=None, *, flush: Optional[bool] = None,
+             verify: bool = True) -> dict[str, float]:
         """Load the trainer's current weights into every engine (or into ``engines``, an
         EngineView, e.g. those just restarted) as ``version``, and verify them; ``flush``
-        as in ``plan``."""
+        as in ``plan``. ``verify=False``: the checks wait for ``verify(version)``, which
+        the caller runs later (the async loop: while the ranks train the next step)."""
         start = time.perf_counter()
         engines = engines or self.engines
-        plan = self.plan(version, engines, flush=flush)
+        plan = dataclasses.replace(self.plan(version, engines, flush=flush), read_back=verify)
         if plan.mode == "distributed":
             plan = dataclasses.replace(plan, group_names=self._join_groups(plan.targets))
         try:
-            metrics = self.train_group.send_weights(plan)
+            metrics, self._unchecked = self.train_group.send_weights(plan)
         except Exception as err:
             if plan.mode == "distributed":
                 # Which group broke is not known here; every engine of the push joins anew
@@ -158,7 +164,8 @@ class WeightSync:
                 self._leave_groups([t.url for t in plan.targets],
                                    running={t.url for t in self.engines.targets()})
             raise WeightSyncError(f"weight update to version {version} failed: {err}") from err
-        self.verify(version, engines)
+        if verify:
+            self.verify(version, engines)
         metrics["perf/weight_sync_time"] = time.perf_counter() - start
         return metrics
 
@@ -206,7 +213,13 @@ class WeightSync:
             self.train_group.destroy_weight_broadcast(names)
 
     def verify(self, version: int, engines=None) -> None:
-        check_reported_versions(engines or self.engines, version, "version")
+        """Every engine reports ``version``, and holds the check tensors of a push that
+        left them to this call (``push(verify=False)``)."""
+        engines = engines or self.engines
+        checks, self._unchecked = self._unchecked, {}
+        if checks:
+            read_back(engines.clients, checks, version)
+        check_reported_versions(engines, version, "version")
 
 
 def check_reported_versions(engines, version: int, what: str) -> None:
@@ -269,11 +282,40 @@ def send_weights(buckets: Iterable[list[tuple[str, torch.Tensor]]], plan: PushPl
             sender.send(bucket, plan.version if last else None)
             lap("send")
     lap("send")  # closing the sessions
-    checked = sender.verify(checks)
+    checked = read_back([sender.clients[e] for e in sender.engines], checks,
+                        plan.version) if plan.read_back else 0
     lap("verify")
-    return {"perf/weight_sync_bytes": float(num_bytes), "perf/weight_sync_buckets": float(num_buckets),
-            "perf/weight_sync_checked_tensors": float(checked),
-            **{f"perf/weight_sync_{k}_time": v for k, v in phases.items()}}
+    metrics = {"perf/weight_sync_bytes": float(num_bytes),
+               "perf/weight_sync_buckets": float(num_buckets),
+               "perf/weight_sync_checked_tensors": float(checked),
+               **{f"perf/weight_sync_{k}_time": v for k, v in phases.items()}}
+    return metrics, checks if rank == 0 and not plan.read_back else {}
+
+
+def read_back(clients: Sequence, checks: dict[str, torch.Tensor], version: int) -> int:
+    """Compare what each engine of ``clients`` (EngineClients) holds with ``checks``, the
+    first rows of a few pushed tensors; returns the number of (engine, tensor) pairs
+    compared (none for an engine that cannot report weights)."""
+    pairs = [(client, name) for client in clients for name in checks]
+    # Read back all at once: each is an HTTP round trip the push would otherwise wait for
+    # in turn.
+    held = fan_out(lambda pair: pair[0].get_weights_by_name(pair[1], truncate_size=CHECK_ROWS),
+                   pairs)
+    compared, unreported = 0, set()
+    for (client, name), got in zip(pairs, held):
+        expected = checks[name]
+        if got is None:
+            unreported.add(client.name)
+            continue
+        got_t = torch.tensor(got, dtype=torch.float32).reshape(expected.shape)
+        if not torch.allclose(got_t, expected, rtol=1e-6, atol=1e-6):
+            diff = (got_t - expected).abs().max().item()
+            raise WeightSyncError(f"{client.name}: {name} differs from what was pushed "
+                                  f"(version {version}) by up to {diff:.3g}")
+        compared += 1
+    for name in sorted(unreported):
+        log.info("%s cannot report weights by name; verified by version only", name)
+    return compared
 
 
 def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
@@ -289,8 +331,8 @@ def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
 
 
 class _Sender:
-    """Opens and closes each served engine's weight-update session, sends buckets, flushes
-    once at the end and reads back the check tensors."""
+    """Opens and closes each served engine's weight-update session, sends buckets and
+    flushes once at the end (``send_weights`` reads the check tensors back after it)."""
 
     def __init__(self, plan: PushPlan, engines: Sequence[int]):
         self.plan = plan
@@ -332,31 +374,6 @@ class _Sender:
 
     def send(self, bucket, version: Optional[int]) -> None:
         raise NotImplementedError
-
-    def verify(self, checks: dict[str, torch.Tensor]) -> int:
-        """Compare what each served engine holds with what was sent; returns the number of
-        (engine, tensor) pairs compared (0 where the engine cannot report weights)."""
-        pairs = [(e, name) for e in self.engines for name in checks]
-        # Read back all at once: each is an HTTP round trip the push would otherwise wait
-        # for in turn.
-        held = fan_out(lambda pair: self.clients[pair[0]].get_weights_by_name(
-            pair[1], truncate_size=CHECK_ROWS), pairs)
-        compared, unreported = 0, set()
-        for (e, name), got in zip(pairs, held):
-            client, expected = self.clients[e], checks[name]
-            if got is None:
-                unreported.add(client.name)
-                continue
-            got_t = torch.tensor(got, dtype=torch.float32).reshape(expected.shape)
-            if not torch.allclose(got_t, expected, rtol=1e-6, atol=1e-6):
-                diff = (got_t - expected).abs().max().item()
-                raise WeightSyncError(
-                    f"{client.name}: {name} differs from what was pushed (version "
-                    f"{self.plan.version}) by up to {diff:.3g}")
-            compared += 1
-        for name in sorted(unreported):
-            log.info("%s cannot report weights by name; verified by version only", name)
-        return compared
 
 
 # This process's shared-memory buffers for CPU tensor pushes (one set per training rank).
