@@ -145,7 +145,8 @@ class EngineClient:
     that streams weights to the engines, a test."""
 
     def __init__(self, url: str, api_key: Optional[str] = None, *, name: str = "engine",
-                 timeout_s: float = 600.0, max_retries: int = 3):
+                 timeout_s: float = 600.0, max_retries: int = 3,
+                 version: Optional[str] = None):
         self.url = url.rstrip("/")
         self.name = name
         self.timeout_s = timeout_s
@@ -155,7 +156,9 @@ class EngineClient:
         self.max_retries = max_retries
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.session = requests.Session()
-        self._version: Optional[str] = None
+        # The SGLang version the server reports, once asked (or handed over by a process
+        # that asked: each push's clients on the training ranks would otherwise ask again).
+        self._version: Optional[str] = version
         self._weights_by_name: Optional[bool] = None  # None: not asked yet
 
     def __getstate__(self) -> dict:  # shipped to Ray actors: a Session does not pickle

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from rollout.engines.actor import LaunchSpec, bind_host, launch_spec, remote_actor_class
-from rollout.engines.client import EngineClient, fan_out
+from rollout.engines.client import EngineClient, EngineError, fan_out
 from rollout.engines.router import Router
 
 log = logging.getLogger("homegym.engines")
@@ -32,9 +32,19 @@ class EngineTarget:
     url: str
     api_key: Optional[str]
     tp_size: int
+    version: Optional[str] = None  # the SGLang version it reports, where known
 
     def client(self) -> EngineClient:
-        return EngineClient(self.url, self.api_key, name=self.name)
+        return EngineClient(self.url, self.api_key, name=self.name, version=self.version)
+
+
+def _version_if_up(client: EngineClient) -> Optional[str]:
+    """The engine's SGLang version (asked once per client), or None where it cannot be
+    asked: a target for an engine that is down still names it."""
+    try:
+        return client.version()
+    except EngineError:
+        return None
 
 
 class _FanOut:
@@ -49,7 +59,7 @@ class _FanOut:
         return fan_out(lambda c: getattr(c, method)(*args, **kwargs), self.clients)
 
     def targets(self) -> list[EngineTarget]:
-        return [EngineTarget(c.name, c.url, c.api_key, tp)
+        return [EngineTarget(c.name, c.url, c.api_key, tp, _version_if_up(c))
                 for c, tp in zip(self.clients, self.tp_sizes)]
 
     def release_memory(self, tags: Optional[list[str]] = None) -> list:
