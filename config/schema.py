@@ -449,6 +449,11 @@ class TrainConfig:
     # (sequence advantage 0, e.g. a GRPO group with equal rewards, and no KL or entropy
     # term): the update is unchanged, a batch without learning signal costs little.
     skip_zero_advantage: bool = True
+    # Identical samples of a micro-batch (the same tokens, split alike into prompt and
+    # response: a confident policy's GRPO group repeats itself) run the model once; each
+    # still counts in the loss with its own mask, advantage and engine log-probs, so the
+    # update is unchanged.
+    dedupe_samples: bool = True
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:

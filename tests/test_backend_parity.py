@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from train_batches import make_batch, make_config
+from train_batches import make_batch, make_config, with_repeats
 from config.derived import total_optimizer_steps
 from trainer.driver import components
 
@@ -35,7 +35,9 @@ ALGO = {"loss_agg": "seq_mean_token_mean", "entropy_coef": 0.01, "kl_coef": 0.05
 
 
 def _batch():
-    return make_batch(num_groups=2, group_size=4, seed=3)
+    # Repeated samples run once in both backends (train.dedupe_samples); plain autograd
+    # runs each.
+    return with_repeats(make_batch(num_groups=2, group_size=4, seed=3), group_size=4)
 
 
 def _export(b) -> dict:

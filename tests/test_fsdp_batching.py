@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from train_batches import make_batch
+from train_batches import make_batch, with_repeats
 from trainer.training.backends.batching import (
     balanced_partition, build_micro_batch, build_shared_prefix_micro_batch, check_batch,
-    micro_batches, minibatch_ranges, plan_step, step_norms)
+    distinct_samples, micro_batches, minibatch_ranges, plan_step, step_norms)
 from trainer.training.backends.schedule import lr_at
 
 
@@ -115,6 +115,36 @@ def test_shared_prefix_micro_batch_keeps_one_copy_of_each_prefix():
     flat = build_micro_batch(batch, ids, pad_token_id=0)
     for name in ("targets", "seq_idx", "loss_mask", "rollout_log_probs", "rollout_mask"):
         assert torch.equal(getattr(mb, name), getattr(flat, name)), name
+
+
+@pytest.mark.parametrize("build", [build_micro_batch, build_shared_prefix_micro_batch])
+def test_identical_samples_share_a_row_and_keep_their_own_loss_fields(build):
+    batch = with_repeats(make_batch(num_groups=2, group_size=4, prompt_len=(5, 12), seed=4,
+                                    common_start=3), group_size=4)
+    ids = [3, 0, 5, 1, 6, 2, 4, 7]
+    distinct, source = distinct_samples(batch, ids)
+    # Group 0 is samples 0-3 (0, 1, 3 alike), group 1 samples 4-7 (4, 5, 7 alike).
+    assert distinct == [3, 5, 6, 2] and source == [0, 0, 1, 0, 2, 3, 1, 1]
+    each = build(batch, ids, pad_token_id=0)
+    once = build(batch, ids, pad_token_id=0, dedupe=True)
+    for name in ("targets", "seq_idx", "loss_mask", "rollout_log_probs", "rollout_mask"):
+        assert torch.equal(getattr(once, name), getattr(each, name)), name
+    if build is build_micro_batch:
+        assert once.input_ids.shape[0] == 4 and each.input_ids.shape[0] == 8
+        assert torch.equal(once.input_ids[once.row_idx, once.col_idx + 1], once.targets)
+        return
+    s = once.shared
+    assert s.rows == 4 and each.shared.rows == 8
+    prefix_tokens = s.prefix_mask.sum(1)[s.prefix_index]
+    suffix_tokens = sum(len(batch.tokens[i]) for i in distinct) - prefix_tokens.sum()
+    assert once.input_ids.shape[1] == suffix_tokens
+    # Every target is read from the logits of the position just before it, in its row.
+    predictor_pos = torch.cat([s.position_ids[s.keep],
+                               torch.arange(s.prefix_ids.shape[1]).expand_as(s.prefix_ids)[
+                                   s.prefix_keep]])[s.logit_idx]
+    target_pos = torch.cat([torch.arange(len(batch.tokens[i]) - batch.response_lengths[i],
+                                         len(batch.tokens[i])) for i in ids])
+    assert torch.equal(predictor_pos + 1, target_pos)
 
 
 def test_shared_prefix_attention_mask_sees_prefix_then_own_suffix():

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from train_batches import (assert_a_fresh_checkpoint_leaves_adams_first_update_whole,
                            assert_gradients_close, assert_save_load_round_trip, exported_params,
-                           make_batch, make_config, record_gradients, recorded_gradients)
+                           make_batch, make_config, record_gradients, recorded_gradients,
+                           with_repeats)
 from trainer.driver import components
 from trainer.training.train_group import TrainGroup
 
@@ -215,6 +216,31 @@ def test_zero_advantage_samples_are_skipped_without_changing_the_update(ray_loca
         assert m0[key] == pytest.approx(m1[key], rel=REORDER_RTOL), key
     assert_gradients_close(g1, g0, rtol=REORDER_RTOL)
     assert m1["train/grad_norm"] > 0  # the other two groups still trained
+
+
+def test_identical_samples_run_once_without_changing_the_update(ray_local, tiny_model_path):
+    """train.dedupe_samples: samples that repeat another's tokens ride on its forward and
+    backward (in the shared-prefix layout, the default); log-probs, loss, grad norm and
+    gradient are those of running each, to the float noise of reordered sums."""
+    batch = with_repeats(make_batch(num_groups=3, group_size=4, seed=12, common_start=4),
+                         group_size=4)
+    results = {}
+    for dedupe in (False, True):
+        group = components.train_group(make_config(train={"dedupe_samples": dedupe,
+                                                          "lr": 1e-3}))
+        try:
+            record_gradients(group)
+            log_probs = group.log_probs(batch)
+            metrics = group.train_step(batch)
+            results[dedupe] = (log_probs, metrics, recorded_gradients(group))
+        finally:
+            group.shutdown()
+    (lp0, m0, g0), (lp1, m1, g1) = results[False], results[True]
+    for a, b in zip(lp0, lp1):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for key in ("train/pg_loss", "train/grad_norm", "train/entropy"):
+        assert m0[key] == pytest.approx(m1[key], rel=REORDER_RTOL), key
+    assert_gradients_close(g1, g0, rtol=REORDER_RTOL)
 
 
 def test_a_checkpoint_before_the_first_step_leaves_adams_first_update_whole(one_rank, tmp_path):

@@ -50,6 +50,21 @@ def make_batch(*, num_groups: int = 4, group_size: int = 4, prompt_len: tuple[in
     return b
 
 
+def with_repeats(batch, *, group_size: int):
+    """``batch`` with samples 1 and 3 of each group repeating sample 0's tokens (as a
+    confident policy's do); each keeps its own engine log-probs and reward."""
+    for first in range(0, len(batch.tokens), group_size):
+        for i in (first + 1, first + 3):
+            batch.tokens[i] = list(batch.tokens[first])
+            batch.response_lengths[i] = batch.response_lengths[first]
+            batch.loss_masks[i] = list(batch.loss_masks[first])
+            # Engine log-probs of their own, one copy's far enough from the policy's for
+            # a sequence-level correction to drop it.
+            batch.rollout_log_probs[i] = [p - 0.15 * (i - first)
+                                          for p in batch.rollout_log_probs[first]]
+    return batch
+
+
 def make_config(**overrides):
     """A CPU config; overrides as {"train": {...}, "algo": {...}}."""
     cache = os.environ.get("HOMEGYM_CACHE")

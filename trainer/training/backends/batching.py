@@ -169,7 +169,7 @@ class SharedPrefix:
     prefix_ids: torch.Tensor  # [U, L] distinct prefixes, right-padded
     prefix_mask: torch.Tensor  # [U, L] long
     prefix_keep: torch.Tensor  # [U, L] bool: positions that predict a response token
-    prefix_index: torch.Tensor  # [B] each row's prefix
+    prefix_index: torch.Tensor  # [B] each suffix row's prefix
     position_ids: torch.Tensor  # [1, N] of the packed suffix tokens
     keep: torch.Tensor  # [1, N] bool: packed positions that predict a response token
     slot: torch.Tensor  # [N] each packed token's place in the padded [B * width] layout
@@ -191,6 +191,8 @@ class MicroBatch:
     ``logits[row_idx[k], col_idx[k]]`` and is ``input_ids[row_idx[k], col_idx[k] + 1]``.
     Shared-prefix layout (``shared`` set): ``input_ids`` is the packed suffixes [1, N] and
     ``attention_mask`` their re-padded attention mask [B, 1, width, L + width] (bool).
+    The model's rows are the samples', or with ``dedupe`` one per set of identical
+    samples; the flat per-token tensors always run sample after sample.
     Empty micro-batches (``num_seqs == 0``) hold one dummy token so the model still runs
     (collectives stay in step).
     """
@@ -221,26 +223,50 @@ def _moved(obj, device) -> dict:
             for k, v in obj.__dict__.items()}
 
 
-def build_micro_batch(batch: BatchLike, sample_ids: list[int], *, pad_token_id: int) -> MicroBatch:
+def distinct_samples(batch: BatchLike, sample_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The samples of ``sample_ids`` the model has to run: the first of each set of
+    identical ones (the same tokens, split alike into prompt and response); and for each
+    sample, the index of its own among them. A confident policy repeats itself: in the
+    multi-turn game's GRPO groups 40% of the trained samples were distinct
+    (docs/performance.md)."""
+    first: dict[tuple, int] = {}
+    distinct, source = [], []
+    for i in sample_ids:
+        key = (batch.response_lengths[i], *batch.tokens[i])
+        if key not in first:
+            first[key] = len(distinct)
+            distinct.append(i)
+        source.append(first[key])
+    return distinct, source
+
+
+def build_micro_batch(batch: BatchLike, sample_ids: list[int], *, pad_token_id: int,
+                      dedupe: bool = False) -> MicroBatch:
     """Right-padded rows for ``sample_ids``; flat index tensors built without a Python loop
-    over tokens (one tensor per sample is all the list input allows)."""
+    over tokens (one tensor per sample is all the list input allows). ``dedupe``: one row
+    for each set of identical samples (``distinct_samples``), which every one of them reads
+    its logits from; the per-token fields stay per sample, so each counts in the loss,
+    and the gradient is the sum it would be with a row each."""
     if not sample_ids:
         one = torch.tensor([[pad_token_id, pad_token_id]])
         zero = torch.zeros(1, dtype=torch.long)
         return MicroBatch([], one, torch.ones_like(one), one[0, 1:].clone(), zero,
                           torch.zeros(1), torch.zeros(1), torch.zeros(1), row_idx=zero,
                           col_idx=zero)
-    seqs = [torch.tensor(batch.tokens[i], dtype=torch.long) for i in sample_ids]
-    lengths = torch.tensor([len(s) for s in seqs])
+    rows, source = (distinct_samples(batch, sample_ids) if dedupe
+                    else (list(sample_ids), list(range(len(sample_ids)))))
+    seqs = [torch.tensor(batch.tokens[i], dtype=torch.long) for i in rows]
+    row_len = torch.tensor([len(s) for s in seqs])
     resp = torch.tensor([batch.response_lengths[i] for i in sample_ids])
     input_ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_token_id)
-    attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
+    attention_mask = (torch.arange(input_ids.shape[1])[None, :] < row_len[:, None]).long()
     seq_idx, within = _flat_positions(resp)
+    row_idx = torch.tensor(source)[seq_idx]
     # Response token t of a sample sits at position len - resp + t; its logits at one before.
-    col_idx = (lengths - resp - 1)[seq_idx] + within
-    targets = input_ids[seq_idx, col_idx + 1]
+    col_idx = (row_len[row_idx] - resp[seq_idx] - 1) + within
+    targets = input_ids[row_idx, col_idx + 1]
     return MicroBatch(list(sample_ids), input_ids, attention_mask, targets, seq_idx,
-                      *_token_fields(batch, sample_ids, seq_idx), row_idx=seq_idx,
+                      *_token_fields(batch, sample_ids, seq_idx), row_idx=row_idx,
                       col_idx=col_idx)
 
 
@@ -288,7 +314,7 @@ def _shared_prefixes(batch: BatchLike, sample_ids: Sequence[int]):
 
 
 def build_shared_prefix_micro_batch(batch: BatchLike, sample_ids: list[int], *,
-                                    pad_token_id: int) -> MicroBatch:
+                                    pad_token_id: int, dedupe: bool = False) -> MicroBatch:
     """Like ``build_micro_batch``, but what samples share is computed once and nothing is
     padded outside attention.
 
@@ -297,11 +323,14 @@ def build_shared_prefix_micro_batch(batch: BatchLike, sample_ids: list[int], *,
     cache (with grad) to the suffixes' attention. The suffixes run packed in one row, so
     the linear layers see no padding; only attention re-pads them (``SharedPrefix.slot``).
     Log-probs equal the per-sample layout's; the gradient of a shared token sums over the
-    samples sharing it, as it would per sample.
+    samples sharing it, as it would per sample. ``dedupe``: as in ``build_micro_batch``,
+    identical samples share one packed suffix.
     """
     if not sample_ids:
         return build_micro_batch(batch, sample_ids, pad_token_id=pad_token_id)
-    prefixes, prompt_lens, slot = _shared_prefixes(batch, sample_ids)
+    runs, source = (distinct_samples(batch, sample_ids) if dedupe
+                    else (list(sample_ids), list(range(len(sample_ids)))))
+    prefixes, prompt_lens, slot = _shared_prefixes(batch, runs)
     prefix_len = torch.tensor([len(p) for p in prefixes])
     prompt_len = torch.tensor(prompt_lens)
     prefix_ids = torch.nn.utils.rnn.pad_sequence(
@@ -315,7 +344,7 @@ def build_shared_prefix_micro_batch(batch: BatchLike, sample_ids: list[int], *,
     index = torch.tensor(slot)
     row_prefix = prefix_len[index]  # [B]
     suffixes = [torch.tensor(batch.tokens[i][int(n):], dtype=torch.long)
-                for i, n in zip(sample_ids, row_prefix)]
+                for i, n in zip(runs, row_prefix)]
     suffix_len = torch.tensor([len(s) for s in suffixes])
     rows, width = len(suffixes), int(suffix_len.max())
     row, col = _flat_positions(suffix_len)
@@ -327,16 +356,17 @@ def build_shared_prefix_micro_batch(batch: BatchLike, sample_ids: list[int], *,
         prefix_mask.bool()[index][:, None, :].expand(-1, width, -1), own], 2)[:, None]
 
     # Which logits predict response token t of each sample: position P + t - 1 of the
-    # full sequence, in the prefix while that is < L, else in the packed suffix.
+    # full sequence, in the prefix while that is < L, else in its row's packed suffix.
     resp = torch.tensor([batch.response_lengths[i] for i in sample_ids])
     seq_idx, t = _flat_positions(resp)
-    at = prompt_len[index][seq_idx] + t - 1
+    row_of = torch.tensor(source)[seq_idx]
+    at = prompt_len[index][row_of] + t - 1
     packed_kept = torch.cumsum(suffix_len - 1, 0) - (suffix_len - 1)  # first kept, per row
     prefix_kept = torch.cumsum(prefix_keep.sum(1), 0) - prefix_keep.sum(1)  # per prefix
-    in_prefix = at < row_prefix[seq_idx]
+    in_prefix = at < row_prefix[row_of]
     logit_idx = torch.where(
-        in_prefix, int(keep.sum()) + prefix_kept[index][seq_idx] + t,
-        packed_kept[seq_idx] + at - row_prefix[seq_idx])
+        in_prefix, int(keep.sum()) + prefix_kept[index][row_of] + t,
+        packed_kept[row_of] + at - row_prefix[row_of])
     shared = SharedPrefix(
         prefix_ids=prefix_ids, prefix_mask=prefix_mask, prefix_keep=prefix_keep,
         prefix_index=index, position_ids=(row_prefix[row] + col)[None], keep=keep[None],

@@ -169,10 +169,9 @@ class FSDPBackend(StepLoop):
 
     # ----------------------------------------------------------------- forward passes
     def _micro_batch(self, batch: BatchLike, sample_ids: list[int]) -> MicroBatch:
-        if self.share_prompts:
-            return build_shared_prefix_micro_batch(batch, sample_ids,
-                                                   pad_token_id=self.pad_token_id)
-        return build_micro_batch(batch, sample_ids, pad_token_id=self.pad_token_id)
+        build = build_shared_prefix_micro_batch if self.share_prompts else build_micro_batch
+        return build(batch, sample_ids, pad_token_id=self.pad_token_id,
+                     dedupe=self.train.dedupe_samples)
 
     def _forward(self, model: torch.nn.Module, mb: MicroBatch, *, with_entropy: bool,
                  entropy_grad: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -325,7 +325,8 @@ class MegatronBackend(StepLoop):
         self._ensure_onloaded()
 
     def _micro_batch(self, batch: BatchLike, sample_ids: list[int]) -> MicroBatch:
-        return build_micro_batch(batch, sample_ids, pad_token_id=self.pad_token_id)
+        return build_micro_batch(batch, sample_ids, pad_token_id=self.pad_token_id,
+                                 dedupe=self.train.dedupe_samples)
 
     def _ref_log_probs(self, mbs: list[MicroBatch]) -> Optional[list[torch.Tensor]]:
         return self._forward_log_probs(self.ref, mbs) if self.ref is not None else None
