@@ -86,6 +86,18 @@ BREAKAGES = [
         ("tests/test_rollout_ledger.py::"
          "test_manager_trains_every_group_once_through_failures_extras_and_a_checkpoint",)),
     Breakage(
+        "dedupe-wrong-row",
+        "a sample that repeats another reads its logits from the micro-batch's first row, "
+        "not from the row of the sample it repeats",
+        "trainer/training/backends/batching.py",
+        "            distinct.append(i)\n        source.append(first[key])",
+        "            distinct.append(i)\n            source.append(first[key])\n"
+        "        else:\n            source.append(0)",
+        ("tests/test_fsdp_batching.py::test_identical_samples_share_a_row_and_keep_their_own_"
+         "loss_fields",
+         "tests/test_fsdp_train_group.py::test_identical_samples_run_once_without_changing_"
+         "the_update")),
+    Breakage(
         "skip-norm",
         "skipped zero-advantage samples no longer count in the loss denominators "
         "(the update of a step with skipped groups is scaled up)",
