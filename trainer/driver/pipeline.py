@@ -7,8 +7,9 @@ a background thread, as far ahead of training as ``algo.max_staleness`` allows, 
 (``filter_stale``). Batches stay in the object store throughout: the pipeline holds
 ``BatchRef``s, and a batch is cut where it lives, by the manager's ``select``.
 
-``TrailingWork`` runs what is left of a step once its weights are pushed (the end of the
-engines' update, the prompt ledger's record) while the ranks train the next one.
+``TrailingWork`` runs what is left of a step once its weights are pushed (the read-back
+of the pushed weights and the rest of the engines' update, the prompt ledger's record)
+while the ranks train the next one.
 """
 
 from __future__ import annotations
@@ -130,7 +131,6 @@ class RolloutPipeline:
 
     def close(self, wait: bool = True) -> None:
         self._executor.shutdown(wait=wait, cancel_futures=True)
-
 
 
 class TrailingWork:

@@ -244,9 +244,12 @@ def cast_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype
 
 
 def send_weights(buckets: Iterable[list[tuple[str, torch.Tensor]]], plan: PushPlan, *,
-                 rank: int, world_size: int, weight_groups: Sequence = ()) -> dict[str, float]:
+                 rank: int, world_size: int, weight_groups: Sequence = ()
+                 ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """Stream ``buckets`` (a backend's ``named_weight_buckets``, drained on every rank:
-    its gathers are collectives) to the engines of ``plan``; returns this rank's metrics.
+    its gathers are collectives) to the engines of ``plan``; returns this rank's metrics
+    and, on rank 0 when ``plan.read_back`` is off, the check tensors (the first rows of
+    ``CHECK_NAMES``) for the driver to read back (else empty: the rank read them back).
     ``weight_groups``: rank 0's broadcast group of each target (distributed mode)."""
     dtype = DTYPES[plan.dtype]
     if plan.mode == "tensor":
