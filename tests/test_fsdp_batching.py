@@ -81,6 +81,16 @@ def test_micro_batch_indices_point_at_response_tokens():
     assert norms.num_tokens == sum(map(sum, batch.loss_masks)) and norms.num_seqs == 3
 
 
+def assert_logits_precede_targets(batch, ids, s):
+    """logit_idx picks, for every target, the logits of the position just before it."""
+    predictor_pos = torch.cat([s.position_ids[s.keep],
+                               torch.arange(s.prefix_ids.shape[1]).expand_as(s.prefix_ids)[
+                                   s.prefix_keep]])[s.logit_idx]
+    target_pos = torch.cat([torch.arange(len(batch.tokens[i]) - batch.response_lengths[i],
+                                         len(batch.tokens[i])) for i in ids])
+    assert torch.equal(predictor_pos + 1, target_pos)
+
+
 def test_shared_prefix_micro_batch_keeps_one_copy_of_each_prefix():
     batch = make_batch(num_groups=3, group_size=3, prompt_len=(5, 12), seed=4, common_start=6)
     ids = [7, 0, 4, 1, 8]  # groups 2, 0, 1, 0, 2: three distinct prompts, in first-seen order
@@ -105,13 +115,7 @@ def test_shared_prefix_micro_batch_keeps_one_copy_of_each_prefix():
         int(s.prefix_mask[u].sum()) for u in s.prefix_index.tolist())
     assert mb.input_ids.shape == (1, suffix_tokens)
     assert mb.attention_mask.shape == (5, 1, s.width, s.prefix_ids.shape[1] + s.width)
-    # logit_idx picks, for every target, the logits of the position just before it.
-    predictor_pos = torch.cat([s.position_ids[s.keep],
-                               torch.arange(s.prefix_ids.shape[1]).expand_as(s.prefix_ids)[
-                                   s.prefix_keep]])[s.logit_idx]
-    target_pos = torch.cat([torch.arange(len(batch.tokens[i]) - batch.response_lengths[i],
-                                         len(batch.tokens[i])) for i in ids])
-    assert torch.equal(predictor_pos + 1, target_pos)
+    assert_logits_precede_targets(batch, ids, s)
     flat = build_micro_batch(batch, ids, pad_token_id=0)
     for name in ("targets", "seq_idx", "loss_mask", "rollout_log_probs", "rollout_mask"):
         assert torch.equal(getattr(mb, name), getattr(flat, name)), name
@@ -138,13 +142,7 @@ def test_identical_samples_share_a_row_and_keep_their_own_loss_fields(build):
     prefix_tokens = s.prefix_mask.sum(1)[s.prefix_index]
     suffix_tokens = sum(len(batch.tokens[i]) for i in distinct) - prefix_tokens.sum()
     assert once.input_ids.shape[1] == suffix_tokens
-    # Every target is read from the logits of the position just before it, in its row.
-    predictor_pos = torch.cat([s.position_ids[s.keep],
-                               torch.arange(s.prefix_ids.shape[1]).expand_as(s.prefix_ids)[
-                                   s.prefix_keep]])[s.logit_idx]
-    target_pos = torch.cat([torch.arange(len(batch.tokens[i]) - batch.response_lengths[i],
-                                         len(batch.tokens[i])) for i in ids])
-    assert torch.equal(predictor_pos + 1, target_pos)
+    assert_logits_precede_targets(batch, ids, s)
 
 
 def test_shared_prefix_attention_mask_sees_prefix_then_own_suffix():
