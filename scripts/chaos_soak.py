@@ -347,7 +347,10 @@ class Injector:
             fault = self.faults[0]
             step = steps_logged(self.run_dir)
             if step < fault.after or not self._recovered():
-                time.sleep(0.2)
+                # Often enough to land in the step after the one awaited: the short soak's
+                # async steps after a resume take ~0.2 s, and a SIGTERM that arrives only
+                # once the last step is done finds nothing left to stop.
+                time.sleep(0.05)
                 continue
             if fault.kind == "engine":
                 self._kill_engine(fault, step)

@@ -131,6 +131,54 @@ def test_engine_dies_mid_rollout_step_completes_and_engine_recovers(group, tiny_
     assert set(batch.weight_versions) == {5}
 
 
+def test_an_engine_dying_before_a_push_settles_leaves_the_others_generating(group,
+                                                                           tiny_model_path):
+    """The async loop settles a push to generating engines (read-back, continue, flush,
+    release) while the ranks train the next step. An engine that dies in between fails
+    the settle, but every part of it still reaches the live engine, which generates
+    again with its prefix cache flushed, and the held requests are let through; recovery
+    then brings the dead one back on the pushed weights."""
+    from rollout.engines.client import EngineError
+    from trainer.weight_sync.engine_updates import update_generating_engines
+    from trainer.weight_sync.push import send_weights
+
+    pushed = _weights(tiny_model_path, 3.0)
+
+    class Policy:  # one training rank, in this process: the ranks' own send_weights
+        def send_weights(self, plan):
+            return send_weights([pushed], plan, rank=0, world_size=1)
+
+    sync = components.weight_sync(config(num_engines=2), Policy(), group)
+    live = group.clients[1]
+
+    def generate(ids: list[int]) -> dict:
+        return live.call("/generate", {"input_ids": ids, "sampling_params": {
+            "max_new_tokens": 4, "temperature": 0, "ignore_eos": True}})
+
+    first = generate(list(range(5, 45)))
+    turn_2 = list(range(5, 45)) + first["output_ids"] + [9]  # over turn 1's cached KV
+
+    def cached_tokens() -> int:
+        return generate(turn_2)["meta_info"]["cached_tokens"]
+
+    assert cached_tokens() > 0
+    gate: list[str] = []
+    _, settle = update_generating_engines(
+        group, sync, 7, update_in_flight="pause", hold=lambda: gate.append("hold"),
+        release=lambda: gate.append("release"), flush_timeout_s=30)
+    assert [c.server_info()["paused"] for c in group.clients] == [True, True]
+    os.kill(ray.get(group.engines[0].pid.remote()), signal.SIGKILL)
+    with pytest.raises(EngineError):
+        settle()
+    assert gate == ["hold", "release"]
+    assert live.server_info()["paused"] is False
+    assert cached_tokens() == 0  # flushed: no KV of the old weights
+    assert group.recover(push_weights=lambda view: sync.push(7, engines=view))[
+        "rollout/engines_restarted_now"] == 1.0
+    assert group.weight_versions() == ["7", "7"]
+    assert_every_engine_holds(group, pushed)
+
+
 def test_each_engine_has_its_own_broadcast_group_so_a_death_mid_push_holds_no_other_engine(
         group, tiny_model_path):
     """Distributed pushes go over one broadcast group per engine. A restarted engine gets a

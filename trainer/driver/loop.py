@@ -252,7 +252,7 @@ class Driver:
                     if len(batch):
                         metrics.update(self.train(step, batch))
                         # The last step's trailing work ran while this one trained.
-                        self.with_recovery(trailing.join, metrics)
+                        self.join_trailing(metrics)
 
                         def update() -> dict[str, float]:
                             pushed, settle = update_generating_engines(
@@ -344,11 +344,12 @@ class Driver:
         ray.get(self.rt.manager.mark_trained.remote(batch.group_ids))
         self._record_data_order(step, batch)
 
-    def join_trailing(self) -> None:
-        """Wait for the async loop's trailing work (before a checkpoint, an evaluation or
-        the ledger check, which need it done)."""
+    def join_trailing(self, metrics: dict[str, float] | None = None) -> None:
+        """Wait for the async loop's trailing work: before the next push, a checkpoint, an
+        evaluation or the ledger check, which need it done. An engine that died while it
+        ran (e.g. paused for the push) is restarted here."""
         if self._trailing is not None:
-            self._trailing.join()
+            self.with_recovery(self._trailing.join, {} if metrics is None else metrics)
 
     def write_ledger(self) -> dict[str, float]:
         """Check the prompt ledger (every group trained at most once, every row of each

@@ -56,7 +56,8 @@ def update_generating_engines(engines, weights, version: int, *, update_in_fligh
     The caller runs it next, or later on a thread of its own while it does other work (the
     ranks train the next step), provided it waits for it before the next update. If the
     push fails, generation goes on and new requests are let through before the error is
-    raised (no flush: the caller restarts what died and pushes again)."""
+    raised (no flush: the caller restarts what died and pushes again). ``settle`` runs
+    each of its parts even when one fails, then raises the first error."""
     if update_in_flight == "abort":
         engines.pause_generation(mode="abort")
         try:
@@ -64,13 +65,8 @@ def update_generating_engines(engines, weights, version: int, *, update_in_fligh
         except BaseException:
             engines.continue_generation()
             raise
-
-        def settle_aborted() -> None:
-            try:
-                weights.verify(version)
-            finally:
-                engines.continue_generation()
-        return metrics, settle_aborted
+        return metrics, lambda: _each_then_raise(lambda: weights.verify(version),
+                                                 engines.continue_generation)
     if update_in_flight != "pause":
         raise ValueError("rollout.update_in_flight must be pause or abort "
                          f"(got {update_in_flight!r})")
@@ -85,14 +81,22 @@ def update_generating_engines(engines, weights, version: int, *, update_in_fligh
     except BaseException:
         release()
         raise
+    return metrics, lambda: _each_then_raise(
+        lambda: weights.verify(version), engines.continue_generation,
+        lambda: engines.flush_cache(timeout_s=flush_timeout_s), release)
 
-    def settle() -> None:
+
+def _each_then_raise(*parts: Callable[[], object]) -> None:
+    """Run every part in order whatever the ones before it raised, then raise the first
+    error. An engine that died after the push fails each engine call it is in, but the
+    others' part still reaches every live engine (a fan-out raises once all have
+    answered): the live ones go on generating and are flushed, the held requests are let
+    through, and the caller restarts the dead one (the driver's ``with_recovery``)."""
+    first: BaseException | None = None
+    for part in parts:
         try:
-            try:
-                weights.verify(version)
-            finally:
-                engines.continue_generation()
-            engines.flush_cache(timeout_s=flush_timeout_s)
-        finally:
-            release()
-    return metrics, settle
+            part()
+        except BaseException as err:
+            first = first or err
+    if first is not None:
+        raise first
