@@ -66,15 +66,15 @@ def _entropy(logp: torch.Tensor) -> torch.Tensor:
 def token_log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
                                 entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_log_probs`` and ``entropy_from_logits`` from one log-softmax over the
-    vocabulary instead of two (on tiny-qwen3's train step the second pass, forward and
-    backward, was ~4 of ~250 ms: docs/performance.md). The entropy is differentiable only
+    vocabulary instead of two (tiny-qwen3's train step: 0.970x the CPU,
+    ``scripts/bench_train_step.py --compare vocab``). The entropy is differentiable only
     with ``entropy_grad`` (an entropy term in the loss); otherwise it is a metric."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if entropy_grad:
         return picked, _entropy(logp)
     with torch.no_grad():
-        return picked, _entropy(logp.detach())
+        return picked, _entropy(logp)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
