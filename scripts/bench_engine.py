@@ -49,25 +49,33 @@ def make_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[li
     return [torch.randint(10, vocab - 1, (length,), generator=g).tolist() for length in lengths]
 
 
+async def generate_call(session, url: str, payload: dict, together: bool) -> dict:
+    """One /generate: a request of its own or, ``together``, batched with the calls ready
+    at the same moment (``rollout.http.generate_together``)."""
+    from rollout.http import generate_together
+
+    if together:
+        return await generate_together(url + "/generate", payload)
+    async with session.post(url + "/generate", json=payload) as r:
+        body = await r.json()
+        assert r.status == 200, body
+        return body
+
+
 async def run_engine(url: str, prompts, new_tokens: int,
                      together: bool = False) -> tuple[float, int]:
     """Every prompt at once, a request each or, ``together``, as one batched request (what
     ``rollout.http.generate_together`` makes of calls ready at the same moment)."""
     import aiohttp
 
-    from rollout.http import close_session, generate_together
+    from rollout.http import close_session
 
     async with aiohttp.ClientSession() as session:
         async def one(p):
             payload = {"input_ids": p, "return_logprob": True,
                        "sampling_params": {"max_new_tokens": new_tokens, "temperature": 1.0,
                                            "ignore_eos": True}}
-            if together:
-                return len((await generate_together(url + "/generate", payload))["output_ids"])
-            async with session.post(url + "/generate", json=payload) as r:
-                body = await r.json()
-                assert r.status == 200, body
-                return len(body["output_ids"])
+            return len((await generate_call(session, url, payload, together))["output_ids"])
 
         await one(prompts[0])  # warm-up
         t0 = time.perf_counter()
@@ -111,7 +119,7 @@ async def run_multiturn(url: str, episodes: int, turns: int, vocab: int, seed: i
 
     import aiohttp
 
-    from rollout.http import close_session, generate_together
+    from rollout.http import close_session
 
     rng = random.Random(seed)
     latencies: list[float] = []
@@ -124,11 +132,7 @@ async def run_multiturn(url: str, episodes: int, turns: int, vocab: int, seed: i
             payload = {"input_ids": ids, "return_logprob": True,
                        "sampling_params": {"max_new_tokens": turn_new_tokens(rng),
                                            "temperature": 1.0, "ignore_eos": True}}
-            if together:
-                body = await generate_together(url + "/generate", payload)
-            else:
-                async with session.post(url + "/generate", json=payload) as r:
-                    body = await r.json()
+            body = await generate_call(session, url, payload, together)
             latencies.append(time.perf_counter() - t0)
             ids = next_prompt(rng, vocab, ids, body["output_ids"])
             new += len(body["output_ids"])
