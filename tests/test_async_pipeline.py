@@ -174,7 +174,8 @@ def test_trailing_work_runs_in_order_behind_the_caller_and_join_raises_the_first
     trailing.start(lambda: (gate.wait(30), ran.append(1)))
     trailing.start(lambda: fail(2))
     trailing.start(lambda: fail(3))
-    trailing.start(lambda: ran.append(4))
+    # A slow last job: join must wait for it, not raise as soon as job 2 has failed.
+    trailing.start(lambda: (threading.Event().wait(0.5), ran.append(4)))
     assert ran == []  # start returned while the first job still waits
     gate.set()
     with pytest.raises(ValueError, match="job 2 failed"):
