@@ -569,8 +569,9 @@ def test_prefill_chunks_by_uncached_length(ref_model):
 
 def test_lean_forward_prefills_uncached_prompts_of_any_length_together(tiny_model_path):
     """The lean forward runs uncached prompts packed (per-row attention, no matmul work on
-    padding): mixed lengths share one prefill, split only by the token budget; prompts
-    over a cached prefix keep the length rule (their attention runs padded)."""
+    padding): mixed lengths share one prefill, split only by its token budget
+    (``packed_token_budget``); prompts over a cached prefix keep the length rule (their
+    attention runs padded)."""
     from transformers import AutoModelForCausalLM
 
     from rollout.engines.hf import fast_kernels
@@ -583,10 +584,10 @@ def test_lean_forward_prefills_uncached_prompts_of_any_length_together(tiny_mode
     lengths = [110, 12, 3, 60, 12]
     reqs = [Request(rid=str(i), input_ids=[7] * n, max_new_tokens=1) for i, n in enumerate(lengths)]
     assert [len(c) for c in b._prefill_chunks(reqs)] == [5]
-    b.prefill_token_budget = 100  # sorted 3, 12, 12, 60 | 110
+    budget, b.packed_token_budget = b.packed_token_budget, 100  # sorted 3, 12, 12, 60 | 110
     assert [[len(r.input_ids) for r in c] for c in b._prefill_chunks(reqs)] == [
         [3, 12, 12, 60], [110]]
-    b.prefill_token_budget = 8192
+    b.packed_token_budget = budget
     b.prefix_cache.put(tuple([4] * 100), torch.zeros(2, 4, 2, 100, 32))
     cont = Request(rid="c", input_ids=[4] * 100 + [5] * 90, max_new_tokens=1)
     short = Request(rid="s", input_ids=[4] * 50 + [6] * 5, max_new_tokens=1)
