@@ -212,6 +212,8 @@ def test_zero_advantage_samples_are_skipped_without_changing_the_update(ray_loca
             group.shutdown()
     (m0, g0), (m1, g1) = results[False], results[True]
     assert (m0["train/skipped_samples"], m1["train/skipped_samples"]) == (0, 8)
+    assert m0["train/computed_sample_frac"] == pytest.approx(1.0)
+    assert m1["train/computed_sample_frac"] == pytest.approx(0.5)
     for key in ("train/pg_loss", "train/grad_norm"):
         assert m0[key] == pytest.approx(m1[key], rel=REORDER_RTOL), key
     assert_gradients_close(g1, g0, rtol=REORDER_RTOL)
@@ -236,6 +238,12 @@ def test_identical_samples_run_once_without_changing_the_update(ray_local, tiny_
         finally:
             group.shutdown()
     (lp0, m0, g0), (lp1, m1, g1) = results[False], results[True]
+    # Samples 1 and 3 of each group of 4 repeat sample 0: half of the samples that train
+    # run (groups without signal are skipped whole).
+    ran = 1 - m0["train/skipped_samples"] / len(batch.tokens)
+    assert m0["train/skipped_samples"] == m1["train/skipped_samples"] < len(batch.tokens)
+    assert m0["train/computed_sample_frac"] == pytest.approx(ran)
+    assert m1["train/computed_sample_frac"] == pytest.approx(ran / 2)
     for a, b in zip(lp0, lp1):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     for key in ("train/pg_loss", "train/grad_norm", "train/entropy"):

@@ -208,6 +208,7 @@ class MicroBatch:
     row_idx: Optional[torch.Tensor] = None  # [N] padded layout
     col_idx: Optional[torch.Tensor] = None  # [N] padded layout
     shared: Optional[SharedPrefix] = None
+    num_rows: int = 0  # sequences the model runs: fewer than num_seqs where samples repeat
 
     @property
     def num_seqs(self) -> int:
@@ -274,7 +275,7 @@ def build_micro_batch(batch: BatchLike, sample_ids: list[int], *, pad_token_id: 
     targets = input_ids[row_idx, col_idx + 1]
     return MicroBatch(list(sample_ids), input_ids, attention_mask, targets, seq_idx,
                       *_token_fields(batch, sample_ids, seq_idx), row_idx=row_idx,
-                      col_idx=col_idx)
+                      col_idx=col_idx, num_rows=len(rows))
 
 
 def _flat_positions(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,7 +381,8 @@ def build_shared_prefix_micro_batch(batch: BatchLike, sample_ids: list[int], *,
     targets = torch.cat([torch.tensor(batch.tokens[i][-batch.response_lengths[i]:])
                          for i in sample_ids])
     return MicroBatch(list(sample_ids), torch.cat(suffixes)[None], attention_mask, targets,
-                      seq_idx, *_token_fields(batch, sample_ids, seq_idx), shared=shared)
+                      seq_idx, *_token_fields(batch, sample_ids, seq_idx), shared=shared,
+                      num_rows=rows)
 
 
 def step_norms(batch: BatchLike, sample_range: Sequence[int],

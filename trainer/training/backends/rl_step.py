@@ -121,7 +121,8 @@ SFT_METRIC_KEYS = frozenset({"train/sft_loss"})
 
 def rl_metric_keys(algo, *, with_reference: bool) -> frozenset[str]:
     """Every metric name ``policy_objective`` can emit with ``algo`` (AlgoConfig)."""
-    keys = {"train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/loss", "train/entropy"}
+    keys = {"train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/loss", "train/entropy",
+            "train/computed_sample_frac"}
     keys |= sum_metric_keys(algo.rollout_correction != "none")
     if with_reference:
         keys.add("train/kl")
@@ -257,6 +258,10 @@ class StepLoop:
                     rollout_mask=mb.rollout_mask.to(dev),
                     ref_log_probs=ref[k] if ref is not None else None)
                 loss, metrics = policy_objective(algo, inputs, logp, entropy, norms, ratios)
+                # The share of the step's samples the model ran: not the skipped ones with
+                # zero advantage, each set of identical ones once (train.dedupe_samples).
+                metrics["train/computed_sample_frac"] = logp.new_tensor(
+                    mb.num_rows / norms.num_seqs)
                 _add(sums, metrics)
                 return loss
 
