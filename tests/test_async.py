@@ -44,6 +44,12 @@ def test_staleness_zero_trains_on_exactly_the_colocated_batches(tmp_path, ray_ad
     # layouts: one rank, the same micro-batches, so the same float operations.
     norms = {name: [r["train/grad_norm"] for r in rows] for name, rows in steps.items()}
     assert all(n > 0 for n in norms["colocated"]) and norms["colocated"] == norms["async0"]
+    # Every push is read back from the engines: colocated within its step; async while the
+    # next step trains, so a step reports the previous push's read-back.
+    checked = {name: [r.get("perf/weight_sync_checked_tensors", 0) for r in rows]
+               for name, rows in steps.items()}
+    assert all(n > 0 for n in checked["colocated"]), checked
+    assert checked["async0"][0] == 0 and all(n > 0 for n in checked["async0"][1:]), checked
 
 
 @pytest.fixture(scope="module")

@@ -80,6 +80,7 @@ class Pusher:
 
     def verify(self, version):
         self.read = read_back([self.engine.client], self.unchecked, version)
+        return {"perf/weight_sync_checked_tensors": float(self.read)}
 
 
 def model_with(model_path, named):
@@ -129,7 +130,7 @@ def test_no_request_after_a_push_uses_kv_of_the_old_weights(engine, loop, tiny_m
     wait_for(lambda: engine.client.server_info()["num_running_reqs"] == 1, timeout_s=30,
              what="the long request to be decoding")
     pusher = Pusher(engine, new, on_push=send_second)
-    _, settle = update_generating_engines(
+    pushed, settle = update_generating_engines(
         EngineView([engine.client], [1], [0]), pusher, 1,
         update_in_flight=mode, hold=lambda: on_loop(GATE.hold),
         release=lambda: on_loop(GATE.release), flush_timeout_s=120)
@@ -137,7 +138,8 @@ def test_no_request_after_a_push_uses_kv_of_the_old_weights(engine, loop, tiny_m
     # the read-back of what the push left unchecked first.
     assert GATE.held == (mode == "pause") and not second[0].done()
     assert pusher.unchecked and not hasattr(pusher, "read")
-    settle()
+    assert "perf/weight_sync_checked_tensors" not in pushed  # not read back yet
+    assert settle() == {"perf/weight_sync_checked_tensors": len(pusher.unchecked)}
     assert not GATE.held and pusher.read == len(pusher.unchecked)
     out = second[0].result(60)["meta_info"]
     assert out["weight_version"] == "1" and out["weight_versions"] == ["1"]

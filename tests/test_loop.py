@@ -77,6 +77,7 @@ def test_weight_sync_round_trip(ray_local, tiny_model_path):
 
         metrics = sync.push(version=1)
         assert metrics["perf/weight_sync_bytes"] > 0
+        assert metrics["perf/weight_sync_checked_tensors"] > 0
         assert engines.weight_versions() == ["1"]
         ids, after = engine_sample()
         assert torch.allclose(trainer_log_probs(ids), after, atol=1e-4)
@@ -88,8 +89,8 @@ def test_weight_sync_round_trip(ray_local, tiny_model_path):
         with pytest.raises(WeightSyncError, match="differs from what was pushed"):
             read_back(engines.clients, {"model.norm.weight": norm[:4] + 1e-3}, 1)
         # A push that leaves its checks to the caller reads them back in verify.
-        sync.push(version=1, verify=False)
-        sync.verify(version=1)
+        assert "perf/weight_sync_checked_tensors" not in sync.push(version=1, verify=False)
+        assert sync.verify(version=1)["perf/weight_sync_checked_tensors"] > 0
         sync.push(version=1, verify=False)
         sync._unchecked["model.norm.weight"] += 1e-3  # as if the engine held other weights
         with pytest.raises(WeightSyncError, match="differs from what was pushed"):

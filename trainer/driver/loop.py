@@ -347,9 +347,11 @@ class Driver:
     def join_trailing(self, metrics: dict[str, float] | None = None) -> None:
         """Wait for the async loop's trailing work: before the next push, a checkpoint, an
         evaluation or the ledger check, which need it done. An engine that died while it
-        ran (e.g. paused for the push) is restarted here."""
+        ran (e.g. paused for the push) is restarted here. Its metrics (the last push's
+        read-back) go into ``metrics``."""
         if self._trailing is not None:
-            self.with_recovery(self._trailing.join, {} if metrics is None else metrics)
+            metrics = {} if metrics is None else metrics
+            metrics.update(self.with_recovery(self._trailing.join, metrics))
 
     def write_ledger(self) -> dict[str, float]:
         """Check the prompt ledger (every group trained at most once, every row of each

@@ -136,8 +136,9 @@ class RolloutPipeline:
 class TrailingWork:
     """What a step leaves to do after its push: calls the ranks need not wait for, run in
     order on a thread of their own while the driver goes on with the next step. ``join``
-    waits for them and raises the first one's error; call it before anything that needs
-    them done (the next update, a checkpoint, an evaluation, the ledger check)."""
+    waits for them and raises the first one's error, or returns the metrics those that
+    return some gave, merged; call it before anything that needs them done (the next
+    update, a checkpoint, an evaluation, the ledger check)."""
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trailing")
@@ -146,12 +147,16 @@ class TrailingWork:
     def start(self, work: Callable[[], object]) -> None:
         self._pending.append(self._executor.submit(work))
 
-    def join(self) -> None:
+    def join(self) -> dict[str, float]:
         pending, self._pending = self._pending, []
         for future in pending:  # all of them, so none still runs when the first error is raised
             future.exception()
+        metrics: dict[str, float] = {}
         for future in pending:
-            future.result()
+            result = future.result()
+            if isinstance(result, dict):
+                metrics.update(result)
+        return metrics
 
     def close(self, wait: bool = True) -> None:
         self._executor.shutdown(wait=wait, cancel_futures=True)

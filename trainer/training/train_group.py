@@ -281,8 +281,9 @@ class TrainGroup:
         tensors left to the driver when ``plan.read_back`` is off (rank 0's)."""
         results = self._all("send_weights", plan)
         metrics = dict(results[0][0])
-        metrics["perf/weight_sync_checked_tensors"] = sum(
-            m["perf/weight_sync_checked_tensors"] for m, _ in results)
+        if plan.read_back:
+            metrics["perf/weight_sync_checked_tensors"] = sum(
+                m["perf/weight_sync_checked_tensors"] for m, _ in results)
         return metrics, results[0][1]
 
     def export_hf(self, out_dir: str, source_dir: str, bucket_bytes: int) -> None:

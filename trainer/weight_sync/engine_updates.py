@@ -44,7 +44,7 @@ def update_idle_engines(engines, weights, version: int, *, colocated: bool) -> d
 def update_generating_engines(engines, weights, version: int, *, update_in_flight: str,
                               hold: Callable[[], None], release: Callable[[], None],
                               flush_timeout_s: float
-                              ) -> tuple[dict[str, float], Callable[[], None]]:
+                              ) -> tuple[dict[str, float], Callable[[], dict[str, float]]]:
     """Push ``version`` to disaggregated engines while the rollout generates.
     ``hold`` / ``release``: stop and restart the rollout's new engine calls (the rollout
     manager's ``hold_generation`` / ``release_generation``). ``flush_timeout_s``: how long
@@ -57,7 +57,8 @@ def update_generating_engines(engines, weights, version: int, *, update_in_fligh
     ranks train the next step), provided it waits for it before the next update. If the
     push fails, generation goes on and new requests are let through before the error is
     raised (no flush: the caller restarts what died and pushes again). ``settle`` runs
-    each of its parts even when one fails, then raises the first error."""
+    each of its parts even when one fails, then raises the first error; it returns the
+    verification's metrics (the tensors read back)."""
     if update_in_flight == "abort":
         engines.pause_generation(mode="abort")
         try:
@@ -65,8 +66,7 @@ def update_generating_engines(engines, weights, version: int, *, update_in_fligh
         except BaseException:
             engines.continue_generation()
             raise
-        return metrics, lambda: _each_then_raise(lambda: weights.verify(version),
-                                                 engines.continue_generation)
+        return metrics, lambda: _settle(weights, version, engines.continue_generation)
     if update_in_flight != "pause":
         raise ValueError("rollout.update_in_flight must be pause or abort "
                          f"(got {update_in_flight!r})")
@@ -81,22 +81,25 @@ def update_generating_engines(engines, weights, version: int, *, update_in_fligh
     except BaseException:
         release()
         raise
-    return metrics, lambda: _each_then_raise(
-        lambda: weights.verify(version), engines.continue_generation,
+    return metrics, lambda: _settle(
+        weights, version, engines.continue_generation,
         lambda: engines.flush_cache(timeout_s=flush_timeout_s), release)
 
 
-def _each_then_raise(*parts: Callable[[], object]) -> None:
-    """Run every part in order whatever the ones before it raised, then raise the first
-    error. An engine that died after the push fails each engine call it is in, but the
-    others' part still reaches every live engine (a fan-out raises once all have
-    answered): the live ones go on generating and are flushed, the held requests are let
-    through, and the caller restarts the dead one (the driver's ``with_recovery``)."""
+def _settle(weights, version: int, *parts: Callable[[], object]) -> dict[str, float]:
+    """Verify the push of ``version`` (``weights.verify``), then run every part in order
+    whatever the ones before raised, then raise the first error, or return the
+    verification's metrics. An engine that died after the push fails each engine call it
+    is in, but the others' part still reaches every live engine (a fan-out raises once all
+    have answered): the live ones go on generating and are flushed, the held requests are
+    let through, and the caller restarts the dead one (the driver's ``with_recovery``)."""
+    metrics: dict[str, float] = {}
     first: BaseException | None = None
-    for part in parts:
+    for part in (lambda: metrics.update(weights.verify(version)), *parts):
         try:
             part()
         except BaseException as err:
             first = first or err
     if first is not None:
         raise first
+    return metrics

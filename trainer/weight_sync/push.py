@@ -212,14 +212,19 @@ class WeightSync:
         if names:
             self.train_group.destroy_weight_broadcast(names)
 
-    def verify(self, version: int, engines=None) -> None:
+    def verify(self, version: int, engines=None) -> dict[str, float]:
         """Every engine reports ``version``, and holds the check tensors of a push that
-        left them to this call (``push(verify=False)``)."""
+        left them to this call (``push(verify=False)``). Returns that read-back's metrics
+        (none when the push read back itself)."""
+        start = time.perf_counter()
         engines = engines or self.engines
         checks, self._unchecked = self._unchecked, {}
-        if checks:
-            read_back(engines.clients, checks, version)
+        checked = read_back(engines.clients, checks, version) if checks else 0
         check_reported_versions(engines, version, "version")
+        if not checks:
+            return {}
+        return {"perf/weight_sync_checked_tensors": float(checked),
+                "perf/weight_sync_verify_time": time.perf_counter() - start}
 
 
 def check_reported_versions(engines, version: int, what: str) -> None:
@@ -261,8 +266,9 @@ def send_weights(buckets: Iterable[list[tuple[str, torch.Tensor]]], plan: PushPl
     num_bytes = num_buckets = 0
     checks: dict[str, torch.Tensor] = {}
     # Where this rank's time goes: gathering (the backend's collectives and copies), the
-    # cast to the engines' dtype, and sending (staging + the engines' loads).
-    phases = dict.fromkeys(("gather", "cast", "send", "verify"), 0.0)
+    # cast to the engines' dtype, sending (staging + the engines' loads) and reading back.
+    phases = dict.fromkeys(("gather", "cast", "send") + (("verify",) if plan.read_back else ()),
+                           0.0)
     clock = time.perf_counter()
 
     def lap(phase: str) -> None:
@@ -285,13 +291,13 @@ def send_weights(buckets: Iterable[list[tuple[str, torch.Tensor]]], plan: PushPl
             sender.send(bucket, plan.version if last else None)
             lap("send")
     lap("send")  # closing the sessions
-    checked = read_back([sender.clients[e] for e in sender.engines], checks,
-                        plan.version) if plan.read_back else 0
-    lap("verify")
     metrics = {"perf/weight_sync_bytes": float(num_bytes),
-               "perf/weight_sync_buckets": float(num_buckets),
-               "perf/weight_sync_checked_tensors": float(checked),
-               **{f"perf/weight_sync_{k}_time": v for k, v in phases.items()}}
+               "perf/weight_sync_buckets": float(num_buckets)}
+    if plan.read_back:  # else the driver reads back later (WeightSync.verify) and counts
+        metrics["perf/weight_sync_checked_tensors"] = float(read_back(
+            [sender.clients[e] for e in sender.engines], checks, plan.version))
+        lap("verify")
+    metrics.update({f"perf/weight_sync_{k}_time": v for k, v in phases.items()})
     return metrics, checks if rank == 0 and not plan.read_back else {}
 
 
