@@ -404,7 +404,8 @@ def main() -> None:
     print("raw forward bound (same prefill + decode work, one process, engine kernels): "
           + ", ".join(f"{k} {v:.2f}s" for k, v in schedules.items())
           + f" -> {b_tps:,.0f} tok/s")
-    print(f"ratio engine / generate(): {e_tps / h_tps:.2f}x; engine / bound: {e_tps / b_tps:.2f} "
+    print(f"ratio engine / generate(): {e_tps / h_tps:.2f}x a request per prompt, "
+          f"{h_dt / e_batched_dt:.2f}x batched; engine / bound: {e_tps / b_tps:.2f} "
           f"(engine / bound time: {e_dt / bound_dt:.2f}x a request per prompt, "
           f"{e_batched_dt / bound_dt:.2f}x batched)")
     m_rates = results["homegym CPU engine (fp32)"][3:]
