@@ -151,6 +151,10 @@ def test_model_parallel_equals_single_rank(single_rank, batch, hf_logps, tp, pp,
     for key, atol in STEP_ATOL.items():
         assert m1[key] == pytest.approx(m2[key], rel=0, abs=atol), key
     assert m1["train/optimizer_steps"] == m2["train/optimizer_steps"] == 2
+    # Every sample ran (all distinct, none skipped with an entropy bonus), counted once
+    # however many ranks hold a copy of its outputs.
+    assert m1["train/computed_sample_frac"] == pytest.approx(1.0)
+    assert m2["train/computed_sample_frac"] == pytest.approx(1.0)
     for name in p1:  # the update, as a whole per tensor (see STEP_ATOL)
         update = float((p1[name] - e1[name]).norm())
         diff = float((p2[name] - p1[name]).norm())
