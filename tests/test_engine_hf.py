@@ -662,6 +662,26 @@ def test_same_next_turn_over_cached_prefix_is_computed_once(ref_model):
     assert len(done.output_ids) == 1 and len(going.output_ids) == 5
     want = fresh_logprobs(ref_model, q, going.output_ids, 0.9)
     assert torch.allclose(torch.tensor(going.logprobs), want, atol=1e-4)
+    # The same over a cached past, prefilled while a longer row decodes (the batch's
+    # window widens to the left for it): the first copy takes the past (an entry stored
+    # once is taken once), the other runs from scratch beside it in the same forward and
+    # is done at prefill; only the survivor joins, and every row's log-probs stay exact.
+    long = Request(rid="long", input_ids=prompts(1, lo=8, hi=9, seed=7)[0], max_new_tokens=12,
+                   temperature=0.9, ignore_eos=True, return_logprob=True)
+    b._prefill([long])
+    b._decode()
+    q = nxt[0] + second[0].output_ids + [9]
+    going, done = (Request(rid=str(n), input_ids=q, max_new_tokens=n, temperature=0.9,
+                           ignore_eos=True, return_logprob=True) for n in (5, 1))
+    b._prefill([going, done])
+    assert going.cached_tokens == len(nxt[0]) + 4 - 1 and done.cached_tokens == 0
+    assert b.rows == [long, going]
+    while b.rows:
+        b._decode()
+    assert len(done.output_ids) == 1 and len(going.output_ids) == 5
+    for r in (going, long):
+        want = fresh_logprobs(ref_model, r.input_ids, r.output_ids, 0.9)
+        assert torch.allclose(torch.tensor(r.logprobs), want, atol=1e-4)
 
 
 def engine_layout(vocab: int):
