@@ -224,9 +224,9 @@ class Batcher:
         self.max_batch_size = max_batch_size
         self.prefill_token_budget = 8192  # padded tokens per prefill forward
         # Uncached prompts run packed in forwards of at most this many tokens: a small
-        # model's activations then stay in cache between ops (tiny-qwen3's burst prefill,
-        # 5.4k tokens: 176 vs 206 ms, its matmuls 104 vs 127 ms); SmolLM2's is the same
-        # from 512 up (256 is 13% slower).
+        # model's activations then stay in cache between ops (tiny-qwen3's prefill ~15%
+        # faster than in one forward; SmolLM2's the same from 512 tokens up, slower
+        # below: docs/performance.md).
         self.packed_token_budget = 1024
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         # prefill_rows: forward rows of all prefills (each distinct prompt once).
