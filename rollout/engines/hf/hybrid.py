@@ -76,6 +76,9 @@ class HybridForward(LeanForward):
         self.types = layer_types(model.config)
         self.apply_rope = sys.modules[type(model).__module__].apply_rotary_pos_emb
 
+    def _read_modules(self) -> None:
+        """Nothing read ahead: this forward takes its modules as it goes."""
+
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  position_ids: torch.Tensor, cache: HybridCache) -> torch.Tensor:

@@ -52,17 +52,52 @@ def runs(model) -> bool:
         model.config, "_attn_implementation", None) == ATTN_NAME)
 
 
-def _norm(norm, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+class _Norm:
+    """An RMSNorm module's weight and epsilon, read once: nn.Module's attribute lookup
+    costs ~1 us, and a decode step makes ~150 of them."""
+    __slots__ = ("module", "weight", "eps")
+
+    def __init__(self, module):
+        self.module, self.weight, self.eps = module, module.weight, module.variance_epsilon
+
+
+class _Linear:
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, module):
+        self.weight, self.bias = module.weight, module.bias
+
+
+class _Layer:
+    """What the forward reads of a decoder layer. The parameters are the modules' own
+    objects: weight updates copy into them and a release swaps their ``.data``, so these
+    references stay current."""
+
+    def __init__(self, layer):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm, self.post_norm = (_Norm(layer.input_layernorm),
+                                           _Norm(layer.post_attention_layernorm))
+        self.q, self.k, self.v, self.o = (_Linear(m) for m in (
+            attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+        self.q_norm = _Norm(attn.q_norm) if hasattr(attn, "q_norm") else None  # Qwen3
+        self.k_norm = _Norm(attn.k_norm) if hasattr(attn, "k_norm") else None
+        self.gate, self.up, self.down = (_Linear(m) for m in (
+            mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        self.attn, self.act_fn = attn, mlp.act_fn
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+
+
+def _norm(norm: _Norm, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     # The C kernel: one pass where torch's CPU RMSNorm is a composite of five ops, each
     # dispatched with its own temporary (tiny-qwen3's 17 norms per decode step: 15-16 -> 5-6
     # us each, ~5% of the step; SmolLM2's width 576: 25 -> 12 us).
-    out = rms_norm(x, norm.weight, norm.variance_epsilon, out=x if inplace else None)
+    out = rms_norm(x, norm.weight, norm.eps, out=x if inplace else None)
     if out is not None:
         return out
     if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
-        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
     # The module's own forward (it upcasts), without nn.Module.__call__'s hook dispatch.
-    return type(norm).forward(norm, x)
+    return type(norm.module).forward(norm.module, x)
 
 
 def _unpack(z: torch.Tensor, flat: torch.Tensor, b: int, t: int) -> torch.Tensor:
@@ -113,9 +148,14 @@ class LeanForward:
         self.apply_rope = sys.modules[type(model).__module__].apply_rotary_pos_emb
         self.silu = model.config.hidden_act == "silu"
         self.matmuls = PackedLinears()
+        self._read_modules()
 
-    def _linear(self, x: torch.Tensor, layer) -> torch.Tensor:
-        return self.matmuls(x, layer.weight, layer.bias)
+    def _read_modules(self) -> None:
+        self.layers = [_Layer(layer) for layer in self.inner.layers]
+        self.final_norm = _Norm(self.inner.norm)
+
+    def _linear(self, x: torch.Tensor, linear) -> torch.Tensor:
+        return self.matmuls(x, linear.weight, linear.bias)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -148,45 +188,44 @@ class LeanForward:
         n = x.shape[1]
         per_row = packed is not None and packed.past == 0
         mask = None if per_row else self._mask(attention_mask, t, x.dtype)
-        for i, layer in enumerate(inner.layers):
-            attn = layer.self_attn
-            h = _norm(layer.input_layernorm, x)
-            shape = (x.shape[0], n, -1, attn.head_dim)
-            q = self._linear(h, attn.q_proj).view(shape)
-            k = self._linear(h, attn.k_proj).view(shape)
-            v = self._linear(h, attn.v_proj).view(shape).transpose(1, 2)
-            if hasattr(attn, "q_norm"):  # Qwen3
-                q, k = _norm(attn.q_norm, q, inplace=True), _norm(attn.k_norm, k, inplace=True)
+        for i, layer in enumerate(self.layers):
+            h = _norm(layer.input_norm, x)
+            shape = (x.shape[0], n, -1, layer.head_dim)
+            q = self._linear(h, layer.q).view(shape)
+            k = self._linear(h, layer.k).view(shape)
+            v = self._linear(h, layer.v).view(shape).transpose(1, 2)
+            if layer.q_norm is not None:  # Qwen3
+                q, k = _norm(layer.q_norm, q, inplace=True), _norm(layer.k_norm, k, inplace=True)
             if rope_(q, k, cos, sin):  # in place, one pass
                 q, k = q.transpose(1, 2), k.transpose(1, 2)
             else:
                 q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             if packed is None:
                 k, v = cache.update(k, v, i)
-                out, _ = gqa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
+                out, _ = gqa_attention_forward(layer.attn, q, k, v, mask, scaling=layer.scaling)
                 out = out.reshape(b, t, -1)
             elif per_row:  # no past: each row attends to itself only, causally
                 cache.update(_unpack(k, flat, b, t), _unpack(v, flat, b, t), i)
-                out = packed.causal_attention(q, k, v, attn.scaling)
+                out = packed.causal_attention(q, k, v, layer.scaling)
             else:  # rows with a cached past: attention on the padded layout
                 q, k, v = (_unpack(z, flat, b, t) for z in (q, k, v))
                 k, v = cache.update(k, v, i)
-                out, _ = gqa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
+                out, _ = gqa_attention_forward(layer.attn, q, k, v, mask,
+                                               scaling=layer.scaling)
                 out = out.reshape(b * t, -1)[flat][None]
             # In place where transformers allocates: same results, and on one core a fresh
             # prefill-sized tensor costs 3-4x an in-place pass over a warm one.
-            x.add_(self._linear(out, attn.o_proj))
-            mlp = layer.mlp
-            h = _norm(layer.post_attention_layernorm, x)
-            gate, up = self._linear(h, mlp.gate_proj), self._linear(h, mlp.up_proj)
+            x.add_(self._linear(out, layer.o))
+            h = _norm(layer.post_norm, x)
+            gate, up = self._linear(h, layer.gate), self._linear(h, layer.up)
             if not (self.silu and silu_mul_(gate, up)):
-                gate = (F.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)).mul_(up)
-            x.add_(self._linear(gate, mlp.down_proj))
+                gate = (F.silu(gate, inplace=True) if self.silu else layer.act_fn(gate)).mul_(up)
+            x.add_(self._linear(gate, layer.down))
         if flat is None:
             x = x[:, -1:]
         else:  # each row's last token is real: the ends of the rows' runs in packed order
             x = x[0, packed.ends - 1][:, None]
-        return self._logits(_norm(inner.norm, x)[:, -1]).float()
+        return self._logits(_norm(self.final_norm, x)[:, -1]).float()
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head: one call on its packed weight (packed_linear.py); without one, over
