@@ -216,15 +216,16 @@ class WeightSync:
         """Every engine reports ``version``, and holds the check tensors of a push that
         left them to this call (``push(verify=False)``). Returns that read-back's metrics
         (none when the push read back itself)."""
-        start = time.perf_counter()
         engines = engines or self.engines
         checks, self._unchecked = self._unchecked, {}
-        checked = read_back(engines.clients, checks, version) if checks else 0
+        metrics: dict[str, float] = {}
+        if checks:
+            start = time.perf_counter()
+            metrics["perf/weight_sync_checked_tensors"] = float(
+                read_back(engines.clients, checks, version))
+            metrics["perf/weight_sync_verify_time"] = time.perf_counter() - start
         check_reported_versions(engines, version, "version")
-        if not checks:
-            return {}
-        return {"perf/weight_sync_checked_tensors": float(checked),
-                "perf/weight_sync_verify_time": time.perf_counter() - start}
+        return metrics
 
 
 def check_reported_versions(engines, version: int, what: str) -> None:

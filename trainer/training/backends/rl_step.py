@@ -120,7 +120,8 @@ SFT_METRIC_KEYS = frozenset({"train/sft_loss"})
 
 
 def rl_metric_keys(algo, *, with_reference: bool) -> frozenset[str]:
-    """Every metric name ``policy_objective`` can emit with ``algo`` (AlgoConfig)."""
+    """Every metric name an RL step's micro-batches can add up with ``algo`` (AlgoConfig):
+    ``policy_objective``'s and the step's own ``train/computed_sample_frac``."""
     keys = {"train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/loss", "train/entropy",
             "train/computed_sample_frac"}
     keys |= sum_metric_keys(algo.rollout_correction != "none")
