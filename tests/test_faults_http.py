@@ -14,12 +14,14 @@ import threading
 import time
 
 import pytest
+import torch
 from aiohttp import web
 
 from rollout import http
 from rollout.engines.client import EngineClient, EngineError
 from rollout.http import close_session, post
 from trainer.driver import components
+from trainer.weight_sync.push import read_back
 
 
 @contextlib.contextmanager
@@ -122,6 +124,24 @@ def test_engine_client_retries_only_idempotent_admin_calls():
                                           r"after 4 attempts"):
         client.update_weights_from_disk("/nowhere")
     assert time.monotonic() - t0 < 10
+
+
+def test_read_back_from_a_server_that_cannot_report_weights_verifies_by_version_only():
+    """SGLang answers /get_weights_by_name with HTTP 400 for model classes without it (Qwen3
+    in 0.5.18). read_back asks for its names all at once: every one of those calls must read
+    as "cannot report", not only the first to fail, and a server that answered once is
+    trusted to answer again (its later error raises)."""
+    checks = {name: torch.zeros(2, 3) for name in
+              ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "x", "y")}
+    with flaky_server({"/get_weights_by_name": (400, 10 ** 6)}) as (url, hits):
+        client = EngineClient(url, name="engine0")
+        assert read_back([client], checks, version=1) == 0
+        assert 1 <= hits["/get_weights_by_name"] <= len(checks)
+    with flaky_server({}) as (url, hits):
+        client = EngineClient(url, name="engine0")
+        assert client.get_weights_by_name("x") is not None
+    with pytest.raises(EngineError, match="engine0 /get_weights_by_name: unreachable"):
+        client.get_weights_by_name("x")
 
 
 @pytest.mark.slow

@@ -240,6 +240,12 @@ class SGLangLaunch(LaunchSpec):
             args += ["--mamba-full-memory-ratio", str(self.mamba_full_memory_ratio)]
         if size is not None:
             args += ["--max-mamba-cache-size", str(size)]
+        if self.device == "cpu":
+            # With the overlap scheduler on, SGLang's radix cache over the state pool picks
+            # extra state buffers ("auto"), which only FLA's GPU kernels have: the CPU server
+            # exits at start (0.5.18 server_args.py, _validate_mamba_extra_buffer). Without
+            # it, "auto" resolves to no_buffer (arg_groups/overrides.py).
+            args += ["--disable-overlap-schedule"]
         return args
 
 

@@ -304,7 +304,10 @@ class EngineClient:
         try:
             out = self.call("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
         except EngineError:
-            if self._weights_by_name is None:
+            # Until one answer succeeds, an error means the server cannot report weights.
+            # Not `is None`: read_back asks for several names at once, and a call that fails
+            # after another call's failure set False must not raise.
+            if not self._weights_by_name:
                 self._weights_by_name = False
                 return None
             raise
