@@ -355,6 +355,9 @@ def main() -> None:
     ap.add_argument("--sglang-python", default=None,
                     help="also run both workloads on the real SGLang CPU server of this venv "
                          "(scripts/install_sglang_cpu.sh)")
+    ap.add_argument("--homegym-bf16", action="store_true",
+                    help="also run both workloads on homegym's engine in bfloat16 (SGLang-CPU's "
+                         "dtype)")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -376,6 +379,9 @@ def main() -> None:
           f"(mean {mean_len:.0f}), {args.new_tokens} new tokens each")
 
     servers = {"homegym CPU engine (fp32)": lambda i: HFLaunch(model_path=path, max_context_len=4096)}
+    if args.homegym_bf16:
+        servers["homegym CPU engine (bf16)"] = lambda i: HFLaunch(
+            model_path=path, max_context_len=4096, dtype="bfloat16")
     if args.sglang_python:
         servers["SGLang 0.5.18 CPU (bf16)"] = lambda i: SGLangLaunch(
             model_path=path, device="cpu", dtype="bfloat16",
