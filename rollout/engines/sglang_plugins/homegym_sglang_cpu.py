@@ -32,6 +32,8 @@ kernel reads them, as at start-up. Likewise a linear weight with fewer than 16 o
 new parameter of the plain shape and dtype, and re-packing packs it.
 """
 
+import torch
+
 _DIRTY = "_homegym_repack_dirty"
 _MARK = "_homegym_repack"
 
@@ -64,7 +66,7 @@ def _track(model) -> dict:
             def loader(*args, _load=load, _module=module, _packed=packed, _conv=conv, **kwargs):
                 dirty[id(_module)] = _module
                 if _packed:  # into a parameter of the plain layout's shape
-                    args = (_plain_weight(_module, _conv, args[1].dtype),) + args[1:]
+                    args = (_plain_weight(_module, _conv),) + args[1:]
                 return _load(*args, **kwargs)
             setattr(loader, _MARK, True)
             # The re-packed Parameter keeps the old one's __dict__, so this survives.
@@ -80,18 +82,17 @@ def _packed_convs(model) -> dict:
         conv = getattr(layer, "conv1d", None)
         kernel_view = getattr(getattr(layer, "attn", None), "conv_weights", None)
         if (conv is not None and getattr(conv, "use_intel_amx_backend", False)
-                and getattr(kernel_view, "dim", lambda: 0)() == 2 and conv.weight.dim() == 2):
+                and isinstance(kernel_view, torch.Tensor) and kernel_view.dim() == 2
+                and conv.weight.dim() == 2):
             convs[id(conv)] = kernel_view
     return convs
 
 
-def _plain_weight(module, kernel_view, dtype):
-    """``module.weight`` in the plain layout, for a loader to write ``dtype`` values into:
-    the parameter itself where packing kept its shape and dtype; else a new parameter with
-    the old one's attributes (its weight loader among them), which re-packing packs again.
-    For a packed conv weight that is the kernel's storage viewed as (out, 1, kernel)."""
-    import torch
-
+def _plain_weight(module, kernel_view):
+    """``module.weight`` in the plain layout, for a loader to write into: the parameter
+    itself where packing kept its shape and dtype; else a new parameter with the old one's
+    attributes (its weight loader among them), which re-packing packs again. For a packed
+    conv weight that is the kernel's storage viewed as (out, 1, kernel)."""
     weight = module.weight
     if kernel_view is not None:
         if weight.dim() == 3:  # already pointed back by an earlier bucket
@@ -104,6 +105,7 @@ def _plain_weight(module, kernel_view, dtype):
         # convert_weight_packed).
         outs = getattr(module, "output_partition_sizes", None)
         ins = getattr(module, "input_size_per_partition", getattr(module, "input_size", None))
+        dtype = getattr(module, "params_dtype", weight.dtype)
         if weight.dim() != 2 or not outs or not ins or (
                 weight.shape == (sum(outs), ins) and weight.dtype == dtype):
             return weight
