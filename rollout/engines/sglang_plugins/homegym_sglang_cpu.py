@@ -2,8 +2,8 @@
 
 SGLang 0.5.18 packs every linear weight for AMX once, after loading
 (``UnquantizedLinearMethod.process_weights_after_loading`` -> ``_amx_process_weight_after_
-loading``, layers/amx_utils.py): the parameter then holds the packed layout, with the same
-shape and dtype as the plain one. ``update_weights_from_tensor`` and
+loading``, layers/amx_utils.py): the parameter then holds the packed layout, mostly with the
+same shape and dtype as the plain one (two exceptions below). ``update_weights_from_tensor`` and
 ``_from_distributed`` only call ``model.load_weights``, whose loaders ``copy_`` plain values
 into the packed parameter, so every later forward reads garbage; only
 ``update_weights_from_disk`` re-packs (``load_weights_and_postprocess``).
