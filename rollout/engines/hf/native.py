@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared"]
+if platform.machine() in ("x86_64", "AMD64"):
+    # Compilers keep auto-vectorized loops at 256 bits on AVX-512 cores by default (older
+    # Intel cores clocked down for 512-bit work); at 512 the MLP activation ran 1.4x and
+    # RMSNorm 1.1x faster on an Intel Xeon with AMX, one thread. No effect on AVX2 cores.
+    CFLAGS.insert(2, "-mprefer-vector-width=512")
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None

@@ -9,7 +9,11 @@
  * scores = (q . k) * scale + mask, softmax in float32, out = probs @ v. Columns whose
  * additive mask is at or below `skip_below` (padding and holes) are never read: in a batch
  * of mixed lengths most of a short row's columns are padding, which a batched matmul reads
- * and multiplies anyway. Each K and V column is read once for all G heads.
+ * and multiplies anyway. Each K and V column is loaded once for two of the G heads.
+ * Decode scores a column as a dot product (four columns' sums reduced together); a packed
+ * prefill transposes each prompt's K once and scores a vector of columns per step, for
+ * two tokens and two heads at a time (no horizontal sums). Vectors are the widest the
+ * target has: 16 floats with AVX-512, else 8.
  *
  * Decode layouts (strides in elements): q and out [B, Hkv * G, D] contiguous; k and v with
  * strides (row, head, column) and a contiguous head dim; mask [B, T] with row stride.
@@ -60,57 +64,140 @@ static inline v8f sum4(v8f a0, v8f a1, v8f a2, v8f a3) {
     return z + SHUF(z, z, 4, 5, 6, 7, 0, 1, 2, 3);  /* lanes 0-3 */
 }
 
-/* Softmax's numerator in place, s[i] = exp(s[i] - max(s)); returns its sum (the
- * normalization is applied to the output, once). */
+/* The widest float vector the target has (-march=native): 16 lanes with AVX-512, else 8. */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+
+/* n rounded up to whole vectors: the room every score buffer has per row. */
+static inline int64_t padded(int64_t n) { return (n + VW - 1) / VW * VW; }
+
+/* Softmax's numerator in place, s[i] = exp(s[i] - max(s)) over [0, n); returns its sum
+ * (the normalization is applied to the output, once). s has room for padded(n): the
+ * scores past n are set to max - 80, whose exp (1.8e-35) leaves the sum unchanged, so the
+ * exp loop runs whole vectors only. A scalar remainder would call libm's expf a float at a
+ * time (~0.5 of a row's exp time at 40-100 columns). */
 static inline float exp_shifted(float *s, int64_t n) {
+    const int64_t np = padded(n);
     float m = -FLT_MAX, sum = 0.0f;
     for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
+    for (int64_t i = n; i < np; i++) s[i] = m - 80.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; i < np; i++) {
         s[i] = expf(s[i] - m);
         sum += s[i];
     }
     return sum;
 }
 
-/* One row's KV head for a head dim DV * 8 known at compile time (inlined per size), so the
- * query chunks and output accumulators live in registers:
- * scores: four columns at a time, each K column read from memory once per query head and
- * the four dot products summed together (sum4); softmax; probs @ V with the output in
- * registers and the 1 / sum applied once at the end. */
+/* Lanes 0-7 plus lanes 8-15 (nothing to add at 8 lanes). */
+static inline v8f fold8(vf a) {
+#if VW == 16
+    v8f lo, hi;
+    memcpy(&lo, &a, sizeof lo);
+    memcpy(&hi, (const char *)&a + sizeof lo, sizeof hi);
+    return lo + hi;
+#else
+    return a;
+#endif
+}
+
+/* A pair of query heads sharing a KV head (GG = 2; GG = 1: one head), head dim DV * VW
+ * known at compile time (inlined per size, so the query chunks and sums live in
+ * registers): scores against the columns `cols` into s0 (and s1), four columns at a time,
+ * each K column loaded once for both heads and the four dot products summed together
+ * (sum4): score = (q . k) * scale + mask. */
+static inline __attribute__((always_inline)) void scores_group(
+        const float *qh, const float *kb, const float *mrow, const int32_t *cols, int64_t n,
+        int64_t skt, float scale, float *s0, float *s1, const int GG, const int DV) {
+    const vf *q0 = (const vf *)qh, *q1 = (const vf *)(qh + (GG > 1 ? DV * VW : 0));
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const vf *k0 = (const vf *)(kb + cols[j] * skt), *k1 = (const vf *)(kb + cols[j + 1] * skt);
+        const vf *k2 = (const vf *)(kb + cols[j + 2] * skt), *k3 = (const vf *)(kb + cols[j + 3] * skt);
+        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+#pragma GCC unroll 16
+        for (int c = 0; c < DV; c++) {
+            const vf x0 = k0[c], x1 = k1[c], x2 = k2[c], x3 = k3[c], qa = q0[c];
+            a0 += qa * x0; a1 += qa * x1; a2 += qa * x2; a3 += qa * x3;
+            if (GG > 1) {
+                const vf qb = q1[c];
+                b0 += qb * x0; b1 += qb * x1; b2 += qb * x2; b3 += qb * x3;
+            }
+        }
+        const v8f r = sum4(fold8(a0), fold8(a1), fold8(a2), fold8(a3));
+        for (int i = 0; i < 4; i++) s0[j + i] = r[i] * scale + mrow[cols[j + i]];
+        if (GG > 1) {
+            const v8f t = sum4(fold8(b0), fold8(b1), fold8(b2), fold8(b3));
+            for (int i = 0; i < 4; i++) s1[j + i] = t[i] * scale + mrow[cols[j + i]];
+        }
+    }
+    for (; j < n; j++) {
+        const float *kc = kb + cols[j] * skt;
+        s0[j] = dot(qh, kc, DV * VW) * scale + mrow[cols[j]];
+        if (GG > 1) s1[j] = dot(qh + DV * VW, kc, DV * VW) * scale + mrow[cols[j]];
+    }
+}
+
+/* out = (p @ V) * inv for one head (GG = 1) or a pair sharing V (p0/p1, inv0/inv1, out
+ * rows o and o + DV * VW): each V column loaded once for both; small heads take two
+ * columns a step into two sets of sums, so more FMA chains are in flight. */
+static inline __attribute__((always_inline)) void weighted_sum_group(
+        const float *p0, const float *p1, float inv0, float inv1, const float *vb,
+        const int32_t *cols, int64_t n, int64_t svt, float *oh, const int GG, const int DV) {
+    const int two = GG * DV <= 8;  /* the second set of sums fits in the registers */
+    vf u[16], w[16], x[16], y[16];  /* DV <= 16; u, w: head 0; x, y: head 1 */
+    for (int c = 0; c < DV; c++) u[c] = w[c] = x[c] = y[c] = (vf){0};
+    int64_t i = 0;
+    if (two)
+        for (; i + 2 <= n; i += 2) {
+            const vf *v0 = (const vf *)(vb + cols[i] * svt), *v1 = (const vf *)(vb + cols[i + 1] * svt);
+            const float a0 = p0[i], a1 = p0[i + 1];
+            const float b0 = GG > 1 ? p1[i] : 0.0f, b1 = GG > 1 ? p1[i + 1] : 0.0f;
+#pragma GCC unroll 16
+            for (int c = 0; c < DV; c++) {
+                u[c] += a0 * v0[c]; w[c] += a1 * v1[c];
+                if (GG > 1) { x[c] += b0 * v0[c]; y[c] += b1 * v1[c]; }
+            }
+        }
+    for (; i < n; i++) {
+        const vf *v0 = (const vf *)(vb + cols[i] * svt);
+        const float a0 = p0[i], b0 = GG > 1 ? p1[i] : 0.0f;
+#pragma GCC unroll 16
+        for (int c = 0; c < DV; c++) {
+            u[c] += a0 * v0[c];
+            if (GG > 1) x[c] += b0 * v0[c];
+        }
+    }
+    vf *o0 = (vf *)oh, *o1 = (vf *)(oh + DV * VW);
+    for (int c = 0; c < DV; c++) {
+        o0[c] = (two ? u[c] + w[c] : u[c]) * inv0;
+        if (GG > 1) o1[c] = (two ? x[c] + y[c] : x[c]) * inv1;
+    }
+}
+
+/* One query row's G heads that share a KV head, two at a time: scores, softmax's
+ * numerator, probs @ V with 1 / sum applied once at the end. */
 static inline __attribute__((always_inline)) void attend_fixed(
         const float *qh, const float *kb, const float *vb, const float *mrow,
         const int32_t *cols, int64_t n, int64_t G, int64_t skt, int64_t svt, float scale,
         float *scores, float *oh, const int DV) {
-    for (int64_t g = 0; g < G; g++) {
-        const v8f *qg = (const v8f *)(qh + g * DV * 8);
-        float *sg = scores + g * n;
-        int64_t j = 0;
-        for (; j + 4 <= n; j += 4) {
-            const v8f *k0 = (const v8f *)(kb + cols[j] * skt), *k1 = (const v8f *)(kb + cols[j + 1] * skt);
-            const v8f *k2 = (const v8f *)(kb + cols[j + 2] * skt), *k3 = (const v8f *)(kb + cols[j + 3] * skt);
-            v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-#pragma GCC unroll 16
-            for (int c = 0; c < DV; c++) {
-                const v8f qc = qg[c];
-                a0 += qc * k0[c]; a1 += qc * k1[c]; a2 += qc * k2[c]; a3 += qc * k3[c];
-            }
-            const v8f r = sum4(a0, a1, a2, a3);
-            for (int i = 0; i < 4; i++) sg[j + i] = r[i] * scale + mrow[cols[j + i]];
-        }
-        for (; j < n; j++) sg[j] = dot(qh + g * DV * 8, kb + cols[j] * skt, DV * 8) * scale + mrow[cols[j]];
-        const float sum = exp_shifted(sg, n);
-        v8f acc[16];  /* DV <= 16 */
-        for (int c = 0; c < DV; c++) acc[c] = (v8f){0};
-        for (int64_t i = 0; i < n; i++) {
-            const v8f *vt = (const v8f *)(vb + cols[i] * svt);
-            const float p = sg[i];
-#pragma GCC unroll 16
-            for (int c = 0; c < DV; c++) acc[c] += p * vt[c];
-        }
-        const float inv = 1.0f / sum;
-        v8f *o = (v8f *)(oh + g * DV * 8);
-        for (int c = 0; c < DV; c++) o[c] = acc[c] * inv;
+    float *s0 = scores, *s1 = scores + padded(n);
+    int64_t g = 0;
+    for (; g + 2 <= G && DV <= 8; g += 2) {
+        const float *qg = qh + g * DV * VW;
+        scores_group(qg, kb, mrow, cols, n, skt, scale, s0, s1, 2, DV);
+        const float inv0 = 1.0f / exp_shifted(s0, n), inv1 = 1.0f / exp_shifted(s1, n);
+        weighted_sum_group(s0, s1, inv0, inv1, vb, cols, n, svt, oh + g * DV * VW, 2, DV);
+    }
+    for (; g < G; g++) {
+        const float *qg = qh + g * DV * VW;
+        scores_group(qg, kb, mrow, cols, n, skt, scale, s0, s0, 1, DV);
+        const float inv = 1.0f / exp_shifted(s0, n);
+        weighted_sum_group(s0, s0, inv, inv, vb, cols, n, svt, oh + g * DV * VW, 1, DV);
     }
 }
 
@@ -119,7 +206,7 @@ static void attend_any(const float *qh, const float *kb, const float *vb, const 
                        const int32_t *cols, int64_t n, int64_t G, int64_t D, int64_t skt,
                        int64_t svt, float scale, float *scores, float *oh) {
     for (int64_t g = 0; g < G; g++) {
-        float *sg = scores + g * n;
+        float *sg = scores + g * padded(n);
         for (int64_t j = 0; j < n; j++)
             sg[j] = dot(qh + g * D, kb + cols[j] * skt, D) * scale + mrow[cols[j]];
         const float sum = exp_shifted(sg, n);
@@ -140,11 +227,13 @@ static void attend_any(const float *qh, const float *kb, const float *vb, const 
 static inline void attend(const float *qh, const float *kb, const float *vb, const float *mrow,
                           const int32_t *cols, int64_t n, int64_t G, int64_t D, int64_t skt,
                           int64_t svt, float scale, float *scores, float *oh) {
-    if (D == 32)
+    if (D == 2 * VW)
+        attend_fixed(qh, kb, vb, mrow, cols, n, G, skt, svt, scale, scores, oh, 2);
+    else if (D == 4 * VW)
         attend_fixed(qh, kb, vb, mrow, cols, n, G, skt, svt, scale, scores, oh, 4);
-    else if (D == 64)
+    else if (D == 8 * VW)
         attend_fixed(qh, kb, vb, mrow, cols, n, G, skt, svt, scale, scores, oh, 8);
-    else if (D == 128)
+    else if (D == 16 * VW)
         attend_fixed(qh, kb, vb, mrow, cols, n, G, skt, svt, scale, scores, oh, 16);
     else
         attend_any(qh, kb, vb, mrow, cols, n, G, D, skt, svt, scale, scores, oh);
@@ -154,7 +243,7 @@ int homegym_decode_attention(const float *q, const float *k, const float *v, con
                              float *out, int64_t B, int64_t Hkv, int64_t G, int64_t T, int64_t D,
                              int64_t skb, int64_t skh, int64_t skt, int64_t svb, int64_t svh,
                              int64_t svt, int64_t smb, float scale, float skip_below) {
-    float *scores = malloc(sizeof(float) * (size_t)(G * T));
+    float *scores = malloc(sizeof(float) * (size_t)(G * padded(T)));
     int32_t *cols = malloc(sizeof(int32_t) * (size_t)T);
     if (!scores || !cols) {
         free(scores); free(cols);
@@ -173,34 +262,153 @@ int homegym_decode_attention(const float *q, const float *k, const float *v, con
     return 0;
 }
 
+/* Scores of R query rows (R <= 4) against CB * VW columns of a sequence's K transposed,
+ * kt [D][lp], from column c0: s = (q . k) * scale. Each step multiplies a row of K^T by one
+ * broadcast query element per query row, so no dot product needs a horizontal sum (which a
+ * head dim of 32-128, a few vectors a column, would pay on every score), and each K^T row
+ * loaded serves all R rows. With few sums in flight (R * CB <= 4), even and odd d go to
+ * separate sums, so more FMA chains run at once. */
+static inline __attribute__((always_inline)) void scores_kt(
+        const float *const *qs, float *const *ss, const float *kt, int64_t lp, int64_t D,
+        int64_t c0, float scale, const int R, const int CB) {
+    const int split = R * CB <= 4;
+    vf a[4][4], e[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < CB; c++) a[r][c] = e[r][c] = (vf){0};
+    for (int64_t d = 0; d < D; d += 2) {  /* D is a multiple of VW: even */
+        const vf *k0 = (const vf *)(kt + d * lp + c0), *k1 = (const vf *)(kt + (d + 1) * lp + c0);
+        for (int r = 0; r < R; r++) {
+            const float x0 = qs[r][d], x1 = qs[r][d + 1];
+            for (int c = 0; c < CB; c++) {
+                a[r][c] += x0 * k0[c];
+                if (split) e[r][c] += x1 * k1[c];
+                else a[r][c] += x1 * k1[c];
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < CB; c++)
+            *(vf *)(ss[r] + c0 + c * VW) = (split ? a[r][c] + e[r][c] : a[r][c]) * scale;
+}
+
+/* All R rows' scores over n columns (VW-column chunks: CW at a time, then one). */
+static inline __attribute__((always_inline)) void scores_kt_all(
+        const float *const *qs, float *const *ss, const float *kt, int64_t lp, int64_t D,
+        int64_t n, float scale, const int R) {
+    const int CW = VW == 16 || R <= 2 ? 4 : 2;  /* R * CW sums fit in the registers */
+    const int64_t chunks = (n + VW - 1) / VW;
+    int64_t c = 0;
+    for (; c + CW <= chunks; c += CW) scores_kt(qs, ss, kt, lp, D, c * VW, scale, R, CW);
+    for (; c < chunks; c++) scores_kt(qs, ss, kt, lp, D, c * VW, scale, R, 1);
+}
+
+/* One sequence of L tokens from token `start`, KV head h, head dim DV * VW: its K
+ * transposed once into kt (zero past L, so whole vectors of columns can be read), then its
+ * tokens two at a time, with their query heads in pairs where registers allow (token i's
+ * row reads the scores of columns [0, i] only; the column after is scored for its
+ * neighbour and ignored); softmax's numerator and probs @ V per token. */
+static inline __attribute__((always_inline)) void causal_sequence(
+        const float *q, const float *k, const float *v, float *out, const int32_t *cols,
+        int64_t start, int64_t L, int64_t Hkv, int64_t G, int64_t h, float scale, float *kt,
+        float *scores, const int DV) {
+    const int64_t D = DV * VW, lp = padded(L + 1), stride = Hkv * D;
+    const int64_t GP = DV <= 8 ? 2 : 1;  /* heads per weighted sum */
+    for (int64_t j = 0; j < L; j++) {
+        const float *kj = k + (start + j) * stride + h * D;
+        for (int64_t d = 0; d < D; d++) kt[d * lp + j] = kj[d];
+    }
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t j = L; j < lp; j++) kt[d * lp + j] = 0.0f;
+    const float *vb = v + h * D;
+    for (int64_t i = 0; i < L; i += 2) {
+        const int64_t T = i + 1 < L ? 2 : 1;
+        for (int64_t g = 0; g < G; g += GP) {
+            const int64_t P = g + 1 < G ? GP : 1;  /* heads g .. g + P - 1 */
+            const float *qs[4];
+            float *ss[4];
+            int R = 0;
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t p = 0; p < P; p++, R++) {
+                    qs[R] = q + ((start + i + t) * Hkv + h) * G * D + (g + p) * D;
+                    ss[R] = scores + R * lp;
+                }
+            const int64_t n = i + T;  /* columns the last token attends to */
+            if (R == 4)
+                scores_kt_all(qs, ss, kt, lp, D, n, scale, 4);
+            else if (R == 2)
+                scores_kt_all(qs, ss, kt, lp, D, n, scale, 2);
+            else
+                scores_kt_all(qs, ss, kt, lp, D, n, scale, 1);
+            for (int64_t t = 0; t < T; t++) {
+                float *s0 = ss[t * P], *s1 = ss[t * P + P - 1];
+                float *o = out + ((start + i + t) * Hkv + h) * G * D + g * D;
+                const float inv0 = 1.0f / exp_shifted(s0, i + t + 1);
+                if (P == 2) {
+                    const float inv1 = 1.0f / exp_shifted(s1, i + t + 1);
+                    weighted_sum_group(s0, s1, inv0, inv1, vb, cols + start, i + t + 1, stride,
+                                       o, 2, DV);
+                } else {
+                    weighted_sum_group(s0, s0, inv0, inv0, vb, cols + start, i + t + 1, stride,
+                                       o, 1, DV);
+                }
+            }
+        }
+    }
+}
+
+static void causal_sequences(const float *q, const float *k, const float *v, float *out,
+                             const int32_t *cols, const int64_t *bounds, int64_t R,
+                             int64_t Hkv, int64_t G, float scale, float *kt, float *scores,
+                             const int DV) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t h = 0; h < Hkv; h++)
+            causal_sequence(q, k, v, out, cols, bounds[r], bounds[r + 1] - bounds[r], Hkv, G, h,
+                            scale, kt, scores, DV);
+}
+
 /* Causal attention of packed sequences with no past (a prefill of fresh prompts): R
  * sequences laid end to end, sequence r at tokens [bounds[r], bounds[r + 1]); token i
  * attends to tokens [bounds[r], i] of its own sequence. q and out [N, Hkv * G, D], k and v
  * [N, Hkv, D], all contiguous. One call for the whole prefill where SDPA takes one per
- * sequence, each paying its setup for a few dozen tokens. */
+ * sequence, each paying its setup for a few dozen tokens. Head dims of 2-16 vectors take
+ * the K^T path above; others score a column at a time (attend_any). */
 int homegym_varlen_causal_attention(const float *q, const float *k, const float *v,
                                     float *out, const int64_t *bounds, int64_t R, int64_t Hkv,
                                     int64_t G, int64_t D, float scale) {
-    const int64_t N = bounds[R];
-    float *scores = malloc(sizeof(float) * (size_t)(G * (N > 0 ? N : 1)));
-    float *zeros = calloc((size_t)(N > 0 ? N : 1), sizeof(float));  /* no additive mask */
-    int32_t *cols = malloc(sizeof(int32_t) * (size_t)(N > 0 ? N : 1));
-    if (!scores || !zeros || !cols) {
-        free(scores); free(zeros); free(cols);
+    const int64_t N = bounds[R] > 0 ? bounds[R] : 1;
+    int64_t longest = 1;
+    for (int64_t r = 0; r < R; r++)
+        if (bounds[r + 1] - bounds[r] > longest) longest = bounds[r + 1] - bounds[r];
+    const int64_t lp = padded(longest + 1);  /* as causal_sequence's */
+    const int DV = D % VW ? 0 : (int)(D / VW);
+    const int fixed = DV == 2 || DV == 4 || DV == 8 || DV == 16;
+    float *scores = malloc(sizeof(float) * (size_t)((fixed ? 4 : G) * lp));
+    float *kt = fixed ? malloc(sizeof(float) * (size_t)(D * lp)) : NULL;
+    float *zeros = fixed ? NULL : calloc((size_t)N, sizeof(float));  /* no additive mask */
+    int32_t *cols = malloc(sizeof(int32_t) * (size_t)N);
+    if (!scores || !cols || (fixed ? !kt : !zeros)) {
+        free(scores); free(kt); free(zeros); free(cols);
         return 1;
     }
-    for (int64_t i = 0; i < N; i++) cols[i] = (int32_t)i;
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t start = bounds[r];
-        for (int64_t i = start; i < bounds[r + 1]; i++) {
-            for (int64_t h = 0; h < Hkv; h++) {
-                const int64_t at = (i * Hkv + h) * G * D;
-                attend(q + at, k + h * D, v + h * D, zeros, cols + start, i - start + 1, G, D,
-                       Hkv * D, Hkv * D, scale, scores, out + at);
-            }
-        }
-    }
-    free(scores); free(zeros); free(cols);
+    for (int64_t i = 0; i < bounds[R]; i++) cols[i] = (int32_t)i;
+    if (DV == 2)
+        causal_sequences(q, k, v, out, cols, bounds, R, Hkv, G, scale, kt, scores, 2);
+    else if (DV == 4)
+        causal_sequences(q, k, v, out, cols, bounds, R, Hkv, G, scale, kt, scores, 4);
+    else if (DV == 8)
+        causal_sequences(q, k, v, out, cols, bounds, R, Hkv, G, scale, kt, scores, 8);
+    else if (DV == 16)
+        causal_sequences(q, k, v, out, cols, bounds, R, Hkv, G, scale, kt, scores, 16);
+    else
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t i = bounds[r]; i < bounds[r + 1]; i++)
+                for (int64_t h = 0; h < Hkv; h++) {
+                    const int64_t at = (i * Hkv + h) * G * D;
+                    attend_any(q + at, k + h * D, v + h * D, zeros, cols + bounds[r],
+                               i - bounds[r] + 1, G, D, Hkv * D, Hkv * D, scale, scores,
+                               out + at);
+                }
+    free(scores); free(kt); free(zeros); free(cols);
     return 0;
 }
 
