@@ -8,7 +8,10 @@
 - RMSNorm at decode shapes: ``F.rms_norm`` vs the C kernel;
 - decode attention over a batch of 64 rows of mixed lengths (10-160 + 20 cached tokens
   in a 192-column window): the torch path (folded GQA) vs the C kernel, with tiny-qwen3's
-  and SmolLM2's head layouts.
+  and SmolLM2's head layouts;
+- prefill attention of fresh prompts packed end to end (the burst's 64 prompts of 8-160
+  tokens, and a few long ones): one causal SDPA call per prompt vs the C kernel, at
+  tiny-qwen3's, SmolLM2's and Qwen3-0.6B's head layouts.
 Prints times, GFLOP/s where meaningful, and the speed-up. Not a test: timings depend on
 the machine and on what else runs on it.
 """
@@ -102,6 +105,34 @@ def decode_attention() -> None:
               f"C {b * 1e6:6.0f} us ({flop / b / 1e9:4.1f} GFLOP/s): {a / b:.2f}x")
 
 
+def prefill_attention() -> None:
+    print("prefill attention, fresh prompts packed end to end, one layer (causal, each prompt "
+          "to itself):")
+    gen = torch.Generator().manual_seed(0)
+    shapes = [("tiny-qwen3", 2, 2, 32), ("SmolLM2-135M", 3, 3, 64), ("Qwen3-0.6B", 8, 2, 128)]
+    for prompts, lo, hi in [(64, 8, 160), (4, 256, 256), (2, 512, 512), (1, 1024, 1024)]:
+        lens = torch.randint(lo, hi + 1, (prompts,), generator=gen)
+        bounds = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+        n = int(bounds[-1])
+        print(f"  {prompts} prompts of {lo}-{hi} tokens ({n} tokens):")
+        for name, hkv, g, d in shapes:
+            q = torch.randn(n, hkv * g, d, generator=gen)
+            k, v = (torch.randn(n, hkv, d, generator=gen) for _ in range(2))
+            qs, ks, vs = (x.transpose(0, 1)[None] for x in (q, k, v))
+
+            def sdpa():  # lean.Packed.causal_attention's path for long prompts
+                for s, e in zip(bounds.tolist(), bounds[1:].tolist()):
+                    F.scaled_dot_product_attention(qs[:, :, s:e], ks[:, :, s:e], vs[:, :, s:e],
+                                                   is_causal=True, scale=d ** -0.5,
+                                                   enable_gqa=True)
+
+            a = best_time(sdpa)
+            b = best_time(lambda: fast_kernels.varlen_causal_attention(q, k, v, bounds,
+                                                                       d ** -0.5))
+            print(f"    {name:12s} ({hkv} KV heads x {g}, head dim {d:3d}): SDPA per prompt "
+                  f"{a * 1e3:6.2f} ms, C {b * 1e3:6.2f} ms: {a / b:.2f}x")
+
+
 def main() -> None:
     usable = packed_linear.available()
     engine = "uses them" if usable and packed_linear.pays_off() else "uses F.linear"
@@ -112,6 +143,7 @@ def main() -> None:
         matmuls()
         norms()
         decode_attention()
+        prefill_attention()
 
 
 if __name__ == "__main__":

@@ -782,20 +782,26 @@ def small_model(arch: str, tiny_model_path: str):
     return model
 
 
+@pytest.mark.parametrize("prompts", ["short", "long"])
 @pytest.mark.parametrize("packed", [False, True], ids=["f_linear", "onednn"])
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
 @torch.no_grad()
-def test_lean_forward_equals_transformers_forward(arch, packed, tiny_model_path, monkeypatch):
+def test_lean_forward_equals_transformers_forward(arch, packed, prompts, tiny_model_path,
+                                                  monkeypatch):
     """The engine's own forward pass (rollout/engines/hf/lean.py) gives what transformers'
     does with the same attention, on the engine's layouts: a packed prefill (rows of
     different lengths), decode steps, then a padded multi-token suffix over the cache (the
     next turn of an episode) and more decode; the LM head in vocabulary slices, or every
     matmul on oneDNN-packed weights (forced here, on any CPU: these models are below its
-    size bar, and the engine packs only where the CPU has AVX-512)."""
+    size bar, and the engine packs only where the CPU has AVX-512). The packed prefill's
+    attention is the C kernel for short prompts, SDPA per prompt for long ones (the
+    threshold lowered to these prompts' lengths)."""
     from transformers import DynamicCache
 
     from rollout.engines.hf import lean, packed_linear
 
+    if prompts == "long":
+        monkeypatch.setattr(lean, "VARLEN_MAX_TOKENS", 0)
     monkeypatch.setattr(packed_linear, "pays_off", lambda: packed)
     monkeypatch.setattr(lean, "VOCAB_SLICE", 128)  # the test vocabularies are 300-456
     monkeypatch.setattr(packed_linear, "MIN_ELEMENTS", 0 if packed else 1 << 62)

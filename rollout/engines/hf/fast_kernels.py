@@ -1,8 +1,8 @@
 """Savings for small models on CPU, all exact (eager's math, up to float rounding):
 
 - ``homegym_gqa`` attention, decode: a C kernel (csrc/kernels.c, built by
-  native.py) that reads each K/V column once for the G query heads sharing it and skips
-  the columns a row masks out. In a batch of mixed lengths those are most of a short
+  native.py) that loads each K/V column once for two of the G query heads sharing it
+  and skips the columns a row masks out. In a batch of mixed lengths those are most of a short
   row's columns: the running batch is as wide as its longest row. Without a C compiler,
   the same math in torch: eager attention with the G query heads folded into the
   query-length axis, so K/V are read in place instead of ``repeat_kv``'s G copies per

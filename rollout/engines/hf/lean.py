@@ -33,11 +33,12 @@ from rollout.engines.hf.fast_kernels import (ATTN_NAME, gqa_attention_forward, r
 from rollout.engines.hf.packed_linear import PackedLinears
 
 VOCAB_SLICE = 1024
-# Prompts up to this long run their causal attention in the C kernel (one query at a time),
-# longer ones in SDPA's blocked kernel: one thread, AMD EPYC (AVX2), 64 prompts of 8-160
-# tokens, per layer: tiny-qwen3 5.6 vs 10.1 ms, SmolLM2 21.8 vs 30.5 ms; SDPA ahead from
-# ~500 tokens a prompt (2000: 24 vs 45 ms, 82 vs 182 ms).
-VARLEN_MAX_TOKENS = 256
+# Prompts up to this long run their causal attention in the C kernel, longer ones in SDPA's
+# blocked kernel (scripts/bench_engine_kernels.py, one thread, Intel Xeon with AVX-512, per
+# layer, C vs SDPA per prompt): 64 prompts of 8-160 tokens 2.5 vs 6.0 ms at tiny-qwen3's
+# heads, 11.5 vs 19.8 at SmolLM2's, 59.6 vs 66.7 at Qwen3-0.6B's; 2 of 512 tokens 1.14-1.64x
+# SDPA's speed; 1 of 1024: 1.10x, 0.95x and 0.47x.
+VARLEN_MAX_TOKENS = 512
 
 
 def supports(model) -> bool:

@@ -85,38 +85,43 @@ def _build(cc: str, out: Path) -> None:
 def load() -> Optional[ctypes.CDLL]:
     """The compiled kernels, building them on first use; None where they are unavailable."""
     global _lib, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("HOMEGYM_NATIVE_KERNELS", "1") == "0":
-            return None
-        cc = compiler()
-        if cc is None:
-            log.warning("no C compiler found: the engine uses its torch decode attention")
-            return None
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *CFLAGS]).encode()
-                             + _cpu_id().encode()).hexdigest()[:16]
-        path = cache_root() / "kernels" / key / "libhomegym_kernels.so"
-        try:
-            if not path.exists():
-                _build(cc, path)
-            lib = ctypes.CDLL(str(path))
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", "") or exc
-            log.warning("building the engine's C kernels failed (%s): using the torch path",
-                        detail)
-            return None
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.homegym_decode_attention.argtypes = [ptr] * 5 + [i64] * 12 + [ctypes.c_float] * 2
-        lib.homegym_decode_attention.restype = ctypes.c_int
-        lib.homegym_varlen_causal_attention.argtypes = [ptr] * 5 + [i64] * 4 + [ctypes.c_float]
-        lib.homegym_varlen_causal_attention.restype = ctypes.c_int
-        lib.homegym_silu_mul.argtypes = [ptr] * 2 + [i64]
-        lib.homegym_silu_mul.restype = None
-        lib.homegym_rope.argtypes = [ptr] * 3 + [i64] * 3
-        lib.homegym_rope.restype = None
-        lib.homegym_rms_norm.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_float]
-        lib.homegym_rms_norm.restype = None
-        _lib = lib
+    if _tried:  # every kernel call asks (~30 a decode step): no lock once decided
         return _lib
+    with _lock:
+        if not _tried:
+            _lib = _build_and_load()
+            _tried = True
+        return _lib
+
+
+def _build_and_load() -> Optional[ctypes.CDLL]:
+    if os.environ.get("HOMEGYM_NATIVE_KERNELS", "1") == "0":
+        return None
+    cc = compiler()
+    if cc is None:
+        log.warning("no C compiler found: the engine uses its torch decode attention")
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *CFLAGS]).encode()
+                         + _cpu_id().encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / key / "libhomegym_kernels.so"
+    try:
+        if not path.exists():
+            _build(cc, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("building the engine's C kernels failed (%s): using the torch path",
+                    detail)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.homegym_decode_attention.argtypes = [ptr] * 5 + [i64] * 12 + [ctypes.c_float] * 2
+    lib.homegym_decode_attention.restype = ctypes.c_int
+    lib.homegym_varlen_causal_attention.argtypes = [ptr] * 5 + [i64] * 4 + [ctypes.c_float]
+    lib.homegym_varlen_causal_attention.restype = ctypes.c_int
+    lib.homegym_silu_mul.argtypes = [ptr] * 2 + [i64]
+    lib.homegym_silu_mul.restype = None
+    lib.homegym_rope.argtypes = [ptr] * 3 + [i64] * 3
+    lib.homegym_rope.restype = None
+    lib.homegym_rms_norm.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_float]
+    lib.homegym_rms_norm.restype = None
+    return lib
