@@ -23,6 +23,8 @@ Workload: prompts of mixed lengths, each generating exactly --new-tokens tokens
   engine's own scheduler code in one thread, with no serving path;
 - with --sglang-python: both engine workloads on the real SGLang CPU server (bfloat16, its
   AMX kernels) in the same run, beside homegym's engine (float32).
+Each server figure is the best of --repeat runs, each run starting with the servers'
+prefix caches flushed (a first-time burst, whatever each server caches).
 Not a test: timings depend on the machine (and on other processes sharing it).
 """
 
