@@ -45,7 +45,8 @@ from bench_engine import (make_prompts, next_prompt, opening_prompt, prefill_wav
 
 # First match wins, in this order: (substring of a frame, part). Forward parts are looked
 # for only under the engine's forward call, the rest under the scheduler thread's loop.
-FORWARD = (("_logits (", "LM head"), ("causal_attention", "prefill attention, per row"),
+FORWARD = (("_logits (", "LM head"), ("_decode_layers", "decode: decoder layers in one C call"),
+           ("causal_attention", "prefill attention, per row"),
            ("gqa_attention_forward", "attention"), ("_linear (", "linear layers"),
            ("_norm (", "RMSNorm"), ("rope_", "RoPE"), ("rotary_emb", "rotary cos/sin"),
            ("update (", "KV write"), ("_unpack", "unpacking K/V"), ("_mask (", "mask"),
@@ -242,6 +243,7 @@ def parts(path: str, prompts, runs: int) -> None:
     forward = batcher._lean
     forward._linear = timed("linear layers", forward._linear)
     forward._logits = timed("LM head", forward._logits)
+    forward._decode_layers = timed("decoder layers in one C call", forward._decode_layers)
     for name, module, attr in (("attention", lean, "gqa_attention_forward"),
                                ("attention", lean, "varlen_causal_attention"),
                                ("RMSNorm", lean, "_norm"), ("RoPE", lean, "rope_"),

@@ -831,6 +831,50 @@ def test_lean_forward_equals_transformers_forward(arch, packed, prompts, tiny_mo
     assert len(fwd.matmuls) == (7 * model.config.num_hidden_layers + 1 if packed else 0)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+@torch.no_grad()
+def test_c_decode_step_equals_the_op_by_op_decode(arch, tiny_model_path, monkeypatch):
+    """A decode step's layers in one C call (homegym_decode_layers: norms, projections with
+    their biases, Qwen3's q/k norms, RoPE, the K/V write into the slot buffers, attention
+    over each row's own columns, the MLP) give what the lean forward's loop gives: rows of
+    mixed lengths through the engine's scheduler, greedy, the same tokens and log-probs
+    over 12 steps; and the C step is what ran."""
+    from rollout.engines.hf import lean, native
+    from rollout.engines.hf.batcher import Batcher, Request
+
+    assert native.load() is not None, "the C kernels did not build (is a C compiler installed?)"
+    model = small_model(arch, tiny_model_path).eval()
+    ran = []
+    c_step = lean.LeanForward._decode_layers
+    monkeypatch.setattr(lean.LeanForward, "_decode_layers",
+                        lambda self, *a: ran.append(c_step(self, *a)) or ran[-1])
+    vocab = min(300, model.config.vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, vocab, (n,), generator=gen).tolist() for n in (3, 17, 40, 9)]
+
+    def decode(c_step_on: bool):
+        batcher = Batcher(model, None, set(), 1024)
+        assert batcher._lean._native is not None
+        if not c_step_on:
+            batcher._lean._native = None
+        reqs = [Request(rid=str(i), input_ids=p, max_new_tokens=12, ignore_eos=True,
+                        return_logprob=True, temperature=0.0) for i, p in enumerate(prompts)]
+        batcher.kv.expect(len(reqs), max(map(len, prompts)))
+        for chunk in batcher._prefill_chunks(reqs):
+            batcher._prefill(chunk)
+        while batcher.rows:
+            batcher._decode()
+        return [r.output_ids for r in reqs], torch.tensor([r.logprobs for r in reqs])
+
+    ids, logps = decode(False)
+    assert ran and not any(ran)
+    ran.clear()
+    c_ids, c_logps = decode(True)
+    assert ran and all(ran)
+    assert c_ids == ids
+    assert torch.allclose(c_logps, logps, atol=1e-6), (c_logps - logps).abs().max()
+
+
 def saved_small_model(arch: str, tiny_model_path: str, tmp_path) -> str:
     """small_model's checkpoint on disk (the built-in tiny Qwen3 is one already)."""
     if arch == "qwen3":

@@ -25,9 +25,13 @@ What each saves, measured: docs/performance.md ("Engine vs model.generate()" and
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
 from rollout.engines.hf import native
@@ -167,6 +171,35 @@ def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def blas_sgemm() -> Optional[int]:
+    """The address of the BLAS ``sgemm`` (Fortran interface, 32-bit integers) that torch's
+    CPU library exports (MKL's, in x86 builds): what F.linear calls for float32, for the C
+    decode step to call itself. None where torch has none or it does not compute F.linear
+    (checked once on a small product)."""
+    try:
+        torch_cpu = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib",
+                                             "libtorch_cpu.so"))
+        fn = torch_cpu.sgemm
+    except (OSError, AttributeError):
+        return None
+    i32p, fp = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_float)
+    fn.argtypes = [ctypes.c_char_p] * 2 + [i32p] * 3 + [fp] * 2 + [i32p, fp, i32p, fp, fp, i32p]
+    fn.restype = None
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 16, generator=gen), torch.randn(8, 16, generator=gen)
+    out = torch.empty(3, 8)
+    m, n, k = (ctypes.byref(ctypes.c_int(i)) for i in (3, 8, 16))
+    ld_w, ld_x, ld_o = (ctypes.byref(ctypes.c_int(i)) for i in (16, 16, 8))
+    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    w_, x_, out_ = (ctypes.cast(t.data_ptr(), fp) for t in (w, x, out))
+    fn(b"T", b"N", n, m, k, ctypes.byref(one), w_, ld_w, x_, ld_x, ctypes.byref(zero), out_,
+       ld_o)
+    if not torch.allclose(out, F.linear(x, w), atol=1e-5):
+        return None
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
 # Additive masks use finfo.min for "masked"; anything this low contributes exp(-huge) = 0.
 _SKIP_BELOW = torch.finfo(torch.float32).min / 2
 
@@ -208,6 +241,11 @@ class GrowingLayer(DynamicLayer):
         layer.is_initialized = True
         layer.dtype, layer.device = kbuf.dtype, kbuf.device
         return layer
+
+    def appended(self, n: int = 1) -> None:
+        """``n`` columns past the end were written in place (by the C decode step)."""
+        self._len += n
+        self.keys, self.values = self._kbuf[:, :, :self._len], self._vbuf[:, :, :self._len]
 
     def update(self, key_states, value_states, *args, **kwargs):
         n = key_states.shape[-2]

@@ -13,7 +13,11 @@ differently, all in float32 (other dtypes keep transformers' own ops):
   causal attention;
 - the matmuls run on oneDNN-packed weights where that is faster (packed_linear.py);
   otherwise the LM head runs in vocabulary slices;
-- RMSNorm and RoPE are the engine's C kernels (fast_kernels.py).
+- RMSNorm and RoPE are the engine's C kernels (fast_kernels.py);
+- a decode step's decoder layers run in one C call (csrc/kernels.c,
+  homegym_decode_layers) with the same operations in the same order, calling the same
+  BLAS sgemm as F.linear, where no matmul would run packed: a small model's decode step is
+  mostly per-op dispatch otherwise.
 Results agree with transformers' forward with the same attention to float rounding, not
 bitwise (tests/test_engine_hf.py: small models within 1e-5 on the logits; SmolLM2's
 sampled-token log-probs within 2.2e-5 of a fresh transformers forward). Any other
@@ -22,14 +26,17 @@ architecture (or a sliding-window config) keeps transformers' forward.
 
 from __future__ import annotations
 
+import ctypes
 import sys
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from rollout.engines.hf import llama_family
-from rollout.engines.hf.fast_kernels import (ATTN_NAME, gqa_attention_forward, rms_norm, rope_,
-                                             silu_mul_, varlen_causal_attention)
+from rollout.engines.hf import llama_family, native
+from rollout.engines.hf.fast_kernels import (ATTN_NAME, GrowingLayer, blas_sgemm,
+                                             gqa_attention_forward, rms_norm, rope_, silu_mul_,
+                                             varlen_causal_attention)
 from rollout.engines.hf.packed_linear import PackedLinears
 
 VOCAB_SLICE = 1024
@@ -154,6 +161,87 @@ class LeanForward:
     def _read_modules(self) -> None:
         self.layers = [_Layer(layer) for layer in self.inner.layers]
         self.final_norm = _Norm(self.inner.norm)
+        self._native = self._native_decode()
+
+    def _native_decode(self) -> Optional[tuple]:
+        """What the C decode step (homegym_decode_layers) needs that does not change, or
+        None where it does not apply: no C kernels or BLAS sgemm, not float32, not SiLU,
+        or layers whose head layouts differ."""
+        lib, gemm = native.load(), blas_sgemm()
+        layers = self.layers
+        if lib is None or gemm is None or not self.silu or not layers:
+            return None
+        first = layers[0]
+        if any(ly.scaling != first.scaling or ly.head_dim != first.head_dim
+               or (ly.q_norm is None) != (first.q_norm is None) for ly in layers):
+            return None
+        for ly in layers:
+            norms = [ly.input_norm, ly.post_norm] + [n for n in (ly.q_norm, ly.k_norm) if n]
+            for w in [lin.weight for lin in (ly.q, ly.k, ly.v, ly.o, ly.gate, ly.up, ly.down)
+                      ] + [n.weight for n in norms]:
+                if w.dtype != torch.float32 or not w.is_contiguous():
+                    return None
+        d = first.head_dim
+        hkv = first.k.weight.shape[0] // d
+        g = first.q.weight.shape[0] // (hkv * d)
+        eps = (ctypes.c_float * (4 * len(layers)))(*[
+            e for ly in layers for e in (ly.input_norm.eps, ly.post_norm.eps,
+                                         ly.q_norm.eps if ly.q_norm else 0.0,
+                                         ly.k_norm.eps if ly.k_norm else 0.0)])
+        return lib, gemm, eps, hkv, g, d, first.gate.weight.shape[0], float(first.scaling)
+
+    def _decode_layers(self, x: torch.Tensor, attention_mask: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, cache) -> bool:
+        """Run every decoder layer of a decode step on ``x`` [B, 1, hidden] in place by the
+        C kernel, writing the new K/V into ``cache``'s slot buffers; False (nothing done)
+        where it does not apply: no C step for this model, a cache that is not the engine's
+        slot layout or has no room, or matmuls that run faster packed for oneDNN here
+        (packed_linear.py: larger models on AVX-512 cores). Same operations in the same
+        order as the loop in _forward, through the same BLAS; one call instead of ~15 per
+        layer (tiny-qwen3, batch-64 step: see docs/performance.md)."""
+        if self._native is None:
+            return False
+        lib, gemm, eps, hkv, g, d, inter, scale = self._native
+        layers, b = cache.layers, x.shape[0]
+        if (len(layers) != len(self.layers) or not isinstance(layers[0], GrowingLayer)
+                or attention_mask.dtype != torch.int64 or attention_mask.stride(1) != 1
+                or any(self.matmuls.packs(b, ly.gate.weight) or self.matmuls.packs(
+                    b, ly.down.weight) or self.matmuls.packs(b, ly.q.weight)
+                    for ly in self.layers)):
+            return False
+        kbuf = layers[0]._kbuf
+        col, strides = layers[0]._len, kbuf.stride()
+        if attention_mask.shape[1] != col + 1 or strides[3] != 1 or kbuf.shape[1] != hkv:
+            return False
+        for c in layers:
+            if (not isinstance(c, GrowingLayer) or c._len != col or col + 1 > c._kbuf.shape[2]
+                    or c._kbuf.stride() != strides or c._vbuf.stride() != strides):
+                return False
+        if (x.dtype != torch.float32 or not x.is_contiguous() or cos.dtype != torch.float32
+                or cos.shape[-1] != d or not (cos.is_contiguous() and sin.is_contiguous())):
+            return False  # partial rotary: the loop's torch RoPE
+
+        def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+            return None if t is None else t.data_ptr()
+
+        params = (ctypes.c_void_p * (20 * len(layers)))(*[
+            p for ly, c in zip(self.layers, layers) for p in (
+                ptr(ly.input_norm.weight), ptr(ly.q.weight), ptr(ly.q.bias), ptr(ly.k.weight),
+                ptr(ly.k.bias), ptr(ly.v.weight), ptr(ly.v.bias),
+                ptr(ly.q_norm.weight) if ly.q_norm else None,
+                ptr(ly.k_norm.weight) if ly.k_norm else None, ptr(ly.o.weight), ptr(ly.o.bias),
+                ptr(ly.post_norm.weight), ptr(ly.gate.weight), ptr(ly.gate.bias),
+                ptr(ly.up.weight), ptr(ly.up.bias), ptr(ly.down.weight), ptr(ly.down.bias),
+                c._kbuf.data_ptr(), c._vbuf.data_ptr())])
+        rc = lib.homegym_decode_layers(
+            gemm, params, eps, len(layers), x.data_ptr(), b, x.shape[-1], hkv, g, d, inter,
+            cos.data_ptr(), sin.data_ptr(), attention_mask.data_ptr(),
+            attention_mask.stride(0), col, strides[0], strides[1], strides[2], scale)
+        if rc != 0:
+            raise MemoryError("decode step: out of memory for its scratch buffers")
+        for c in layers:
+            c.appended(1)
+        return True
 
     def _linear(self, x: torch.Tensor, linear) -> torch.Tensor:
         return self.matmuls(x, linear.weight, linear.bias)
@@ -188,8 +276,11 @@ class LeanForward:
             cos, sin = inner.rotary_emb(x, position_ids.reshape(-1)[flat][None])
         n = x.shape[1]
         per_row = packed is not None and packed.past == 0
-        mask = None if per_row else self._mask(attention_mask, t, x.dtype)
-        for i, layer in enumerate(self.layers):
+        # A decode step's layers in one C call where it applies, else op by op here.
+        done = t == 1 and packed is None and self._decode_layers(x, attention_mask, cos, sin,
+                                                                 cache)
+        mask = None if per_row or done else self._mask(attention_mask, t, x.dtype)
+        for i, layer in enumerate([] if done else self.layers):
             h = _norm(layer.input_norm, x)
             shape = (x.shape[0], n, -1, layer.head_dim)
             q = self._linear(h, layer.q).view(shape)

@@ -124,4 +124,7 @@ def _build_and_load() -> Optional[ctypes.CDLL]:
     lib.homegym_rope.restype = None
     lib.homegym_rms_norm.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_float]
     lib.homegym_rms_norm.restype = None
+    lib.homegym_decode_layers.argtypes = ([ptr] * 3 + [i64] + [ptr] + [i64] * 6 + [ptr] * 3
+                                          + [i64] * 5 + [ctypes.c_float])
+    lib.homegym_decode_layers.restype = ctypes.c_int
     return lib

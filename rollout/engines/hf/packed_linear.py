@@ -83,11 +83,15 @@ class PackedLinears:
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
+    def packs(self, rows: int, weight: torch.Tensor) -> bool:
+        """Whether ``rows`` rows times ``weight`` are big enough to run packed here."""
+        return self.enabled and (weight.numel() >= MIN_ELEMENTS
+                                 or rows * weight.numel() >= MIN_MACS)
+
     def pack_for(self, x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
         """The packed copy of ``weight`` to multiply ``x`` by (made or refreshed now), or
         None where ``F.linear`` is faster or the only choice."""
-        if not self.enabled or (weight.numel() < MIN_ELEMENTS
-                                and x.numel() // x.shape[-1] * weight.numel() < MIN_MACS):
+        if not self.packs(x.numel() // x.shape[-1], weight):
             return None
         if (weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
                 or (weight.requires_grad and torch.is_grad_enabled())):

@@ -2,7 +2,8 @@
  * fast_kernels.py.
  *
  * Attention, float32: decode (one query per row) over the engine's slot KV cache, and a
- * prefill of fresh prompts packed end to end (causal, each prompt to itself).
+ * prefill of fresh prompts packed end to end (causal, each prompt to itself). At the end,
+ * a whole decode step's decoder layers in one call (homegym_decode_layers).
  *
  * For each query and KV head h, the G query heads that share h (repeat_kv's layout: query
  * head h*G + g) attend to K/V columns [0, T) of that row, with eager attention's math:
@@ -482,4 +483,108 @@ void homegym_silu_mul(float *gate, const float *up, int64_t n) {
         const float x = gate[i], m = x < -88.0f ? 88.0f : (x > 87.0f ? -87.0f : -x);
         gate[i] = x / (1.0f + exp_clamped(m)) * up[i];
     }
+}
+
+/* MKL's sgemm (Fortran interface, 32-bit integers), as torch's CPU library exports it: the
+ * routine F.linear reaches for float32 on x86. */
+typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *,
+                         const float *, const float *, const int *, const float *, const int *,
+                         const float *, float *, const int *);
+
+/* out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]) as torch's addmm makes it: the bias
+ * copied into out first, then the column-major product out^T = w^T' x^T with beta 1. */
+static void linear(sgemm_fn gemm, const float *x, const float *w, const float *bias,
+                   float *out, int M, int N, int K) {
+    const float one = 1.0f, zero = 0.0f;
+    if (bias)
+        for (int m = 0; m < M; m++) memcpy(out + (int64_t)m * N, bias, sizeof(float) * (size_t)N);
+    gemm("T", "N", &N, &M, &K, &one, w, &K, x, &K, bias ? &one : &zero, out, &N);
+}
+
+/* What homegym_decode_layers reads of each layer, in this order (params[l * P_COUNT + i]);
+ * biases and the Qwen3 q/k norms may be NULL. */
+enum { P_IN_NORM, P_Q, P_QB, P_K, P_KB, P_V, P_VB, P_Q_NORM, P_K_NORM, P_O, P_OB,
+       P_POST_NORM, P_GATE, P_GATEB, P_UP, P_UPB, P_DOWN, P_DOWNB, P_KBUF, P_VBUF, P_COUNT };
+
+/* One decode step through the decoder layers of a Llama-family model (Llama, Qwen2, Qwen3),
+ * float32, one new token per row, in the lean forward's order of operations
+ * (rollout/engines/hf/lean.py): per layer RMSNorm, the q/k/v projections, Qwen3's q/k
+ * norms, RoPE, the new K/V written into column `col` of the slot buffers, attention over
+ * the columns [0, col] the row's mask keeps, the output projection added to the residual,
+ * RMSNorm, the gated MLP added to it. x [B, hidden] is the residual stream, updated in
+ * place; cos/sin [B, D] this step's rotary tables; mask [B, col + 1] (row stride smb) the
+ * batch's 0/1 attention mask; K/V buffers with strides (row, head, column) and a
+ * contiguous head dim, the same for every layer. eps: four per layer (input norm, post
+ * norm, q norm, k norm). One call where the Python forward makes ~15 per layer, each with
+ * its dispatch: a small model's decode step is mostly that overhead. Returns 1 when out of
+ * memory for its scratch buffers. */
+int homegym_decode_layers(void *gemm_ptr, void *const *params, const float *eps, int64_t L,
+                          float *x, int64_t B, int64_t hidden, int64_t Hkv, int64_t G,
+                          int64_t D, int64_t inter, const float *cos, const float *sin,
+                          const int64_t *mask, int64_t smb, int64_t col, int64_t skb,
+                          int64_t skh, int64_t skt, float scale) {
+    const sgemm_fn gemm = (sgemm_fn)gemm_ptr;
+    const int64_t H = Hkv * G, T = col + 1;
+    const int M = (int)B, HID = (int)hidden, QD = (int)(H * D), KD = (int)(Hkv * D),
+              I = (int)inter;
+    float *h = malloc(sizeof(float) * (size_t)(B * hidden));
+    float *q = malloc(sizeof(float) * (size_t)(B * H * D));
+    float *k = malloc(sizeof(float) * (size_t)(B * Hkv * D));
+    float *v = malloc(sizeof(float) * (size_t)(B * Hkv * D));
+    float *att = malloc(sizeof(float) * (size_t)(B * H * D));
+    float *tmp = malloc(sizeof(float) * (size_t)(B * hidden));
+    float *gate = malloc(sizeof(float) * (size_t)(B * inter));
+    float *up = malloc(sizeof(float) * (size_t)(B * inter));
+    float *scores = malloc(sizeof(float) * (size_t)(G * padded(T)));
+    float *zeros = calloc((size_t)T, sizeof(float));
+    int32_t *cols = malloc(sizeof(int32_t) * (size_t)(B * T));
+    int64_t *ncols = malloc(sizeof(int64_t) * (size_t)B);
+    int rc = 0;
+    if (!h || !q || !k || !v || !att || !tmp || !gate || !up || !scores || !zeros || !cols
+            || !ncols) {
+        rc = 1;
+        goto done;
+    }
+    for (int64_t b = 0; b < B; b++) {  /* the same columns in every layer */
+        int64_t n = 0;
+        for (int64_t t = 0; t < T; t++)
+            if (mask[b * smb + t]) cols[b * T + n++] = (int32_t)t;
+        ncols[b] = n;
+    }
+    for (int64_t l = 0; l < L; l++) {
+        void *const *p = params + l * P_COUNT;
+        const float *e = eps + 4 * l;
+        float *kbuf = p[P_KBUF], *vbuf = p[P_VBUF];
+        homegym_rms_norm(x, p[P_IN_NORM], h, B, hidden, e[0]);
+        linear(gemm, h, p[P_Q], p[P_QB], q, M, QD, HID);
+        linear(gemm, h, p[P_K], p[P_KB], k, M, KD, HID);
+        linear(gemm, h, p[P_V], p[P_VB], v, M, KD, HID);
+        if (p[P_Q_NORM]) homegym_rms_norm(q, p[P_Q_NORM], q, B * H, D, e[2]);
+        if (p[P_K_NORM]) homegym_rms_norm(k, p[P_K_NORM], k, B * Hkv, D, e[3]);
+        homegym_rope(q, cos, sin, B, H, D);
+        homegym_rope(k, cos, sin, B, Hkv, D);
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t hh = 0; hh < Hkv; hh++) {
+                const int64_t at = b * skb + hh * skh + col * skt;
+                memcpy(kbuf + at, k + (b * Hkv + hh) * D, sizeof(float) * (size_t)D);
+                memcpy(vbuf + at, v + (b * Hkv + hh) * D, sizeof(float) * (size_t)D);
+            }
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t hh = 0; hh < Hkv; hh++)
+                attend(q + (b * Hkv + hh) * G * D, kbuf + b * skb + hh * skh,
+                       vbuf + b * skb + hh * skh, zeros, cols + b * T, ncols[b], G, D, skt,
+                       skt, scale, scores, att + (b * Hkv + hh) * G * D);
+        linear(gemm, att, p[P_O], p[P_OB], tmp, M, HID, QD);
+        for (int64_t i = 0; i < B * hidden; i++) x[i] += tmp[i];
+        homegym_rms_norm(x, p[P_POST_NORM], h, B, hidden, e[1]);
+        linear(gemm, h, p[P_GATE], p[P_GATEB], gate, M, I, HID);
+        linear(gemm, h, p[P_UP], p[P_UPB], up, M, I, HID);
+        homegym_silu_mul(gate, up, B * inter);
+        linear(gemm, gate, p[P_DOWN], p[P_DOWNB], tmp, M, HID, I);
+        for (int64_t i = 0; i < B * hidden; i++) x[i] += tmp[i];
+    }
+done:
+    free(h); free(q); free(k); free(v); free(att); free(tmp); free(gate); free(up);
+    free(scores); free(zeros); free(cols); free(ncols);
+    return rc;
 }
