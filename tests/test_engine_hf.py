@@ -839,8 +839,8 @@ def test_c_decode_step_equals_the_op_by_op_decode(arch, tiny_model_path, monkeyp
     over each row's own columns, the MLP) give what the lean forward's loop gives: rows of
     mixed lengths through the engine's scheduler, greedy, the same tokens and log-probs
     over up to 12 steps, rows finishing at different steps (the batch shrinks under it); and
-    the C step is what ran."""
-    from rollout.engines.hf import lean, native
+    the C step is what ran, except where oneDNN packs the matmuls."""
+    from rollout.engines.hf import lean, native, packed_linear
     from rollout.engines.hf.batcher import Batcher, Request
 
     assert native.load() is not None, "the C kernels did not build (is a C compiler installed?)"
@@ -855,9 +855,9 @@ def test_c_decode_step_equals_the_op_by_op_decode(arch, tiny_model_path, monkeyp
 
     def decode(c_step_on: bool):
         batcher = Batcher(model, None, set(), 1024)
-        assert batcher._lean._native is not None
+        assert batcher._lean._c_step is not None
         if not c_step_on:
-            batcher._lean._native = None
+            batcher._lean._c_step = None
         reqs = [Request(rid=str(i), input_ids=p, max_new_tokens=n, ignore_eos=True,
                         return_logprob=True, temperature=0.0)
                 for i, (p, n) in enumerate(zip(prompts, (12, 5, 9, 3)))]
@@ -875,6 +875,12 @@ def test_c_decode_step_equals_the_op_by_op_decode(arch, tiny_model_path, monkeyp
     assert ran and all(ran)
     assert c_ids == ids
     assert torch.allclose(c_logps, logps, atol=1e-6), (c_logps - logps).abs().max()
+    # Where the matmuls run packed for oneDNN (forced here), the op-by-op decode runs.
+    monkeypatch.setattr(packed_linear, "pays_off", lambda: True)
+    monkeypatch.setattr(packed_linear, "MIN_ELEMENTS", 0)
+    ran.clear()
+    decode(True)
+    assert ran and not any(ran)
 
 
 def saved_small_model(arch: str, tiny_model_path: str, tmp_path) -> str:

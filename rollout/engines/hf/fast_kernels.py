@@ -243,7 +243,7 @@ class GrowingLayer(DynamicLayer):
         return layer
 
     def appended(self, n: int = 1) -> None:
-        """``n`` columns past the end were written in place (by the C decode step)."""
+        """``n`` columns past the end were written in place: take them in."""
         self._len += n
         self.keys, self.values = self._kbuf[:, :, :self._len], self._vbuf[:, :, :self._len]
 
@@ -253,6 +253,5 @@ class GrowingLayer(DynamicLayer):
             self.set(self.keys, self.values, spare=max(64, self._len) + n)
         self._kbuf[:, :, self._len:self._len + n] = key_states
         self._vbuf[:, :, self._len:self._len + n] = value_states
-        self._len += n
-        self.keys, self.values = self._kbuf[:, :, :self._len], self._vbuf[:, :, :self._len]
+        self.appended(n)
         return self.keys, self.values

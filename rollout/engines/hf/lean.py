@@ -161,9 +161,9 @@ class LeanForward:
     def _read_modules(self) -> None:
         self.layers = [_Layer(layer) for layer in self.inner.layers]
         self.final_norm = _Norm(self.inner.norm)
-        self._native = self._native_decode()
+        self._c_step = self._c_step_setup()
 
-    def _native_decode(self) -> Optional[tuple]:
+    def _c_step_setup(self) -> Optional[tuple]:
         """What the C decode step (homegym_decode_layers) needs that does not change, or
         None where it does not apply: no C kernels or BLAS sgemm, not float32, not SiLU,
         or layers whose head layouts differ."""
@@ -188,7 +188,11 @@ class LeanForward:
             e for ly in layers for e in (ly.input_norm.eps, ly.post_norm.eps,
                                          ly.q_norm.eps if ly.q_norm else 0.0,
                                          ly.k_norm.eps if ly.k_norm else 0.0)])
-        return lib, gemm, eps, hkv, g, d, first.gate.weight.shape[0], float(first.scaling)
+        # Whether a matmul runs packed grows with its weight: the widest one decides.
+        widest = max((lin.weight for ly in layers for lin in (
+            ly.q, ly.k, ly.v, ly.o, ly.gate, ly.up, ly.down)), key=lambda w: w.numel())
+        return (lib, gemm, eps, hkv, g, d, first.gate.weight.shape[0], float(first.scaling),
+                widest)
 
     def _decode_layers(self, x: torch.Tensor, attention_mask: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, cache) -> bool:
@@ -199,23 +203,22 @@ class LeanForward:
         (packed_linear.py: larger models on AVX-512 cores). Same operations in the same
         order as the loop in _forward, through the same BLAS; one call instead of ~15 per
         layer (tiny-qwen3, batch-64 step: see docs/performance.md)."""
-        if self._native is None:
+        if self._c_step is None:
             return False
-        lib, gemm, eps, hkv, g, d, inter, scale = self._native
+        lib, gemm, eps, hkv, g, d, inter, scale, widest = self._c_step
         layers, b = cache.layers, x.shape[0]
-        if (len(layers) != len(self.layers) or not isinstance(layers[0], GrowingLayer)
+        if (len(layers) != len(self.layers)
+                or not all(isinstance(c, GrowingLayer) for c in layers)
                 or attention_mask.dtype != torch.int64 or attention_mask.stride(1) != 1
-                or any(self.matmuls.packs(b, ly.gate.weight) or self.matmuls.packs(
-                    b, ly.down.weight) or self.matmuls.packs(b, ly.q.weight)
-                    for ly in self.layers)):
+                or self.matmuls.packs(b, widest)):
             return False
         kbuf = layers[0]._kbuf
         col, strides = layers[0]._len, kbuf.stride()
         if attention_mask.shape[1] != col + 1 or strides[3] != 1 or kbuf.shape[1] != hkv:
             return False
         for c in layers:
-            if (not isinstance(c, GrowingLayer) or c._len != col or col + 1 > c._kbuf.shape[2]
-                    or c._kbuf.stride() != strides or c._vbuf.stride() != strides):
+            if (c._len != col or col + 1 > c._kbuf.shape[2] or c._kbuf.stride() != strides
+                    or c._vbuf.stride() != strides):
                 return False
         if (x.dtype != torch.float32 or not x.is_contiguous() or cos.dtype != torch.float32
                 or cos.shape[-1] != d or not (cos.is_contiguous() and sin.is_contiguous())):
