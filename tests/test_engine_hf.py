@@ -52,6 +52,13 @@ def prompts(n, lo=3, hi=60, seed=0):
     return out
 
 
+def test_a_started_engine_keeps_what_it_loaded_out_of_the_collectors_reach(engine):
+    """EngineServer.start asks every engine to freeze its GC once ready (SGLang's own
+    request races its HTTP server's start), so a collection, a weight release's, walks
+    only what serving made since: not torch's, transformers' and the model's objects."""
+    assert engine.client.server_info()["gc_frozen_objects"] > 50_000
+
+
 def test_generate_shape_and_eos_semantics(engine, tiny_model_path):
     out = gen(engine, {"text": "Hello, world!", "return_logprob": True,
                        "sampling_params": {"max_new_tokens": 6, "temperature": 0}})

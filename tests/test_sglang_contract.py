@@ -1,7 +1,8 @@
 """homegym against SGLang's own source: every route homegym calls exists with that method
 in each supported SGLang version, every key it sends is a field of the route's request
 struct, every sampling parameter is one SGLang accepts, every launch flag is a ServerArgs
-field of the pinned version, and homegym's CPU engine serves only that version's routes.
+field of the pinned version and every SGLANG_ variable the launch sets is one it reads,
+and homegym's CPU engine serves only that version's routes.
 
 SGLang's routes and structs are read from the PyPI wheels on each run (tests/
 sglang_source.py parses them with ast); nothing of them is copied here. What homegym sends
@@ -103,6 +104,7 @@ def _record_homegym_traffic(version: str, model_path: str, tmp_path) -> list:
         client.continue_generation()
         client.abort_all()
         client.flush_cache()
+        client.freeze_gc()
         client.release_memory()
         client.resume_memory(["weights"])
         send_weights([weights], dataclasses.replace(plan, version=4), rank=0, world_size=1)
@@ -137,7 +139,7 @@ def test_every_route_and_key_homegym_sends_exists_in_sglang(contract, traffic):
     # The scenario reached the routes that matter (a silent short-cut would hide them).
     for must in ("/update_weights_from_tensor", "/update_weights_from_distributed",
                  "/update_weights_from_disk", "/init_weights_update_group", "/model_info",
-                 "/generate"):
+                 "/generate", "/freeze_gc"):
         assert any(p == must for _, p in seen), must
     problems = []
     for method, path, body in traffic:
@@ -299,6 +301,34 @@ def test_pinned_version_launch_flags_are_server_args(contract, tiny_qwen3_5_path
         want = {"--mamba-full-memory-ratio", "--max-mamba-cache-size"}
         assert extra == want | ({"--disable-overlap-schedule"} if device == "cpu" else set())
         assert extra <= flags
+
+
+# Read straight from os.environ, not declared in srt/environ.py: where the pinned version does.
+READ_DIRECTLY = {"SGLANG_USE_CPU_ENGINE": "sglang/srt/utils/common.py"}
+
+
+@pytest.mark.slow
+def test_pinned_version_reads_every_variable_the_launch_sets(contract):
+    """A variable SGLang does not read is a silent no-op (a health check that generates, a
+    5-s sleep at every shutdown): each SGLANG_ one the launch sets is declared in the
+    pinned version's srt/environ.py, or read where READ_DIRECTLY says."""
+    import re
+
+    from rollout.engines import SGLangLaunch
+
+    if contract.version != PINNED_SGLANG_VERSION:
+        pytest.skip("the launch environment is built for the pinned version")
+    environ = sglang_source.source_text(contract.version, "sglang/srt/environ.py")
+    declared = set(re.findall(r"^\s+(SGLANG_\w+)\s*=\s*Env\w+\(", environ, re.M))
+    assert len(declared) > 100
+    names = set()
+    for device in ("cuda", "cpu"):
+        spec = SGLangLaunch(model_path="/m", device=device, enable_memory_saver=True)
+        names |= {n for n in spec.env if n.startswith("SGLANG_")}
+    assert len(names) >= 5
+    for name in sorted(names - declared):
+        assert name in READ_DIRECTLY, f"SGLang {contract.version} does not declare {name}"
+        assert name in sglang_source.source_text(contract.version, READ_DIRECTLY[name])
 
 
 def test_client_refuses_an_unsupported_version():

@@ -99,6 +99,38 @@ def test_real_server_behind_the_router_reports_the_pinned_version(group):
     assert meta["weight_version"] == "default" and meta["finish_reason"]["type"] == "length"
 
 
+def test_an_idle_server_leaves_the_cpu_to_training(group):
+    """Between rollouts (a colocated run's training phase) the server's processes wait,
+    and the flushes the loop makes there cost little: SGLang's scheduler polls its sockets
+    in a busy loop unless told to sleep, and on CPU every flush runs a full garbage
+    collection, which walks all of torch's and SGLang's objects unless they were frozen
+    (homegym's launch asks for both)."""
+    import time
+
+    import psutil
+    import ray
+
+    greedy(group.router_url, [3, 4, 5], n=2)  # it served just now; the window starts idle
+    server = psutil.Process(ray.get(group.engines[0].pid.remote()))
+    procs = [server] + server.children(recursive=True)
+    assert len(procs) >= 3  # the launcher, its scheduler and detokenizer
+
+    def cpu_seconds() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+    before, start = cpu_seconds(), time.monotonic()
+    time.sleep(3.0)  # the measured window: the router's health checks are all it serves
+    used = (cpu_seconds() - before) / (time.monotonic() - start)
+    # Busy-polling: ~1.0 CPU-s a second; asleep: the health checks' few ms.
+    assert used < 0.25, f"the idle server used {used:.2f} CPU-s a second"
+    before = cpu_seconds()
+    for _ in range(5):
+        group.clients[0].flush_cache()
+    used = cpu_seconds() - before
+    # Unfrozen: ~0.36 CPU-s a flush (Intel Xeon); frozen: ~0.01.
+    assert used < 0.6, f"5 flushes of the idle server took {used:.2f} CPU-s"
+
+
 def rollout_step(group, *overrides):
     """One step of the rollout manager (2 prompts x 2 games) against the group's router."""
     from rollout.http import close_session

@@ -160,6 +160,13 @@ class SGLangLaunch(LaunchSpec):
         # SGLang runs a real one-token generation for it, which fails while a colocated
         # engine has released its weights and KV cache. /health_generate still generates.
         self.env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
+        # A shutdown signals the server's whole process group; its launcher sees the
+        # scheduler exit, takes it for a crash and sleeps 5 s "to let GPU activity settle"
+        # before a py-spy / CUDA core dump of schedulers already gone (0.5.18
+        # tokenizer_manager.py, dump_requests_before_crash): 5 of the 6 s a stop took. A
+        # hang's stacks come from homegym's own watchdog (trainer/driver/watchdog.py).
+        self.env.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "false")
+        self.env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "false")
         if self.enable_memory_saver:
             # Decode CUDA graphs are captured into the memory saver's region, and so
             # released with the weights and KV cache, only with this set (0.5.18
@@ -214,7 +221,10 @@ class SGLangLaunch(LaunchSpec):
         if self.skip_warmup:
             cmd += ["--skip-server-warmup"]
         if self.device == "cpu":
-            cmd += ["--custom-weight-loader", *SGLANG_CPU_LOADERS]
+            # Idle, the scheduler otherwise polls its sockets in a busy loop: a whole core
+            # (10.0 CPU-s in 10 s idle, Intel Xeon), taken from colocated training ranks on a
+            # small box. Asleep it waits on them and wakes when a request arrives.
+            cmd += ["--custom-weight-loader", *SGLANG_CPU_LOADERS, "--sleep-on-idle"]
         cmd += self._state_args(read_config(self.model_path))
         if self.lora_rank:
             cmd += ["--enable-lora", "--max-lora-rank", str(self.lora_rank),
@@ -357,6 +367,7 @@ class EngineServer:
         self.client = EngineClient(self._url, spec.api_key, name=self.name)
         try:
             self.client.version()  # refuses a server of an unsupported SGLang version
+            self.client.freeze_gc()  # what it loaded stays: collections skip it from now on
         except EngineError:
             self.shutdown()
             raise

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import glob
 import logging
 import os
@@ -98,7 +99,8 @@ def routes(contract_version: str) -> list[tuple[str, str, str]]:
     for path, handler in [("/flush_cache", "flush_cache"),
                           ("/get_weights_by_name", "get_weights_by_name"),
                           ("/release_memory_occupation", "release_memory"),
-                          ("/resume_memory_occupation", "resume_memory")]:
+                          ("/resume_memory_occupation", "resume_memory"),
+                          ("/freeze_gc", "freeze_gc")]:
         table += [("GET", path, handler), ("POST", path, handler)]
     for path, handler in [("/abort_request", "abort_request"),
                           ("/update_weights_from_tensor", "update_weights_from_tensor"),
@@ -369,7 +371,8 @@ class Server:
                       "decode_steps": self.batcher.steps, **self.batcher.stats,
                       "prefix_cache_hits": self.batcher.prefix_cache.hits,
                       "prefix_cache_hit_tokens": self.batcher.prefix_cache.hit_tokens,
-                      "prefix_cache_mb": self.batcher.prefix_cache.bytes / (1 << 20), "max_running_requests":
+                      "prefix_cache_mb": self.batcher.prefix_cache.bytes / (1 << 20),
+                      "gc_frozen_objects": gc.get_freeze_count(), "max_running_requests":
                       self.args.max_running_requests, "api_key_required": bool(self.args.api_key)})
 
     async def v1_models(self, request):
@@ -383,6 +386,13 @@ class Server:
             return False
         self.batcher.prefix_cache.clear()
         return True
+
+    async def freeze_gc(self, request):
+        """SGLang's ``/freeze_gc`` (0.5.18 entrypoints/http_server.py:1189-1199): what the
+        process holds now (torch, the model's modules) leaves the collector's generations,
+        so a full collection (a weight release's) walks only what serving made since."""
+        gc.freeze()
+        return web.Response(text="Garbage collection frozen.\n")
 
     async def flush_cache(self, request):
         """SGLang's flush (0.5.18 entrypoints/http_server.py:966-981): at once, refused while
@@ -671,7 +681,6 @@ class Server:
             self.batcher.released = True
             return None
 
-        import gc
         await self.on_scheduler(release)
         # A full collection costs ~0.1-0.7 s in a process holding torch + transformers; it
         # only matters when the released weights are big (refcounting frees the rest).
