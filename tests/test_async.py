@@ -32,8 +32,9 @@ def test_staleness_zero_trains_on_exactly_the_colocated_batches(tmp_path, ray_ad
     # so that each step's generation depends on the step before it.
     common = ["train.num_steps=3", "rollout.temperature=0", "algo.entropy_coef=0.01"]
     colocated = run(tmp_path, "colocated", *common, ray_address=ray_address)
+    # A checkpoint after every step waits for the push's read-back between steps.
     disagg = run(tmp_path, "async0", *common, "cluster.colocate=false", "algo.max_staleness=0",
-                 ray_address=ray_address)
+                 "train.save_interval=1", ray_address=ray_address)
     a = read_jsonl(colocated / "data_order.jsonl")
     b = read_jsonl(disagg / "data_order.jsonl")
     assert len(a) == 3 and a == b
@@ -45,7 +46,8 @@ def test_staleness_zero_trains_on_exactly_the_colocated_batches(tmp_path, ray_ad
     norms = {name: [r["train/grad_norm"] for r in rows] for name, rows in steps.items()}
     assert all(n > 0 for n in norms["colocated"]) and norms["colocated"] == norms["async0"]
     # Every push is read back from the engines: colocated within its step; async while the
-    # next step trains, so a step reports the previous push's read-back.
+    # next step trains, so a step reports the previous push's read-back, also where a
+    # checkpoint between them waited for it.
     checked = {name: [r.get("perf/weight_sync_checked_tensors", 0) for r in rows]
                for name, rows in steps.items()}
     assert all(n > 0 for n in checked["colocated"]), checked

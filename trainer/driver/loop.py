@@ -98,6 +98,7 @@ class Driver:
         self.ckpt = CheckpointManager(run_dir)
         self._pipeline: RolloutPipeline | None = None
         self._trailing: TrailingWork | None = None  # async: the last step's trailing work
+        self._trailed: dict[str, float] = {}  # its metrics, joined before a step could take them
         self._prefetched: list[tuple[int, Any]] = []  # whole batches from a checkpoint
         self.logger: MetricsLogger | None = None
         self.evals: dict[str, dict[str, float]] = {}
@@ -348,10 +349,16 @@ class Driver:
         """Wait for the async loop's trailing work: before the next push, a checkpoint, an
         evaluation or the ledger check, which need it done. An engine that died while it
         ran (e.g. paused for the push) is restarted here. Its metrics (the last push's
-        read-back) go into ``metrics``."""
-        if self._trailing is not None:
-            metrics = {} if metrics is None else metrics
-            metrics.update(self.with_recovery(self._trailing.join, metrics))
+        read-back) go into ``metrics``, the next step's; joined without them (a checkpoint
+        or an evaluation between steps), they wait for the next step that joins."""
+        if self._trailing is None:
+            return
+        if metrics is None:
+            self._trailed.update(self.with_recovery(self._trailing.join, self._trailed))
+            return
+        metrics.update(self._trailed)
+        self._trailed = {}
+        metrics.update(self.with_recovery(self._trailing.join, metrics))
 
     def write_ledger(self) -> dict[str, float]:
         """Check the prompt ledger (every group trained at most once, every row of each
