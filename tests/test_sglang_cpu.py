@@ -131,6 +131,18 @@ def test_an_idle_server_leaves_the_cpu_to_training(group):
     assert used < 0.6, f"5 flushes of the idle server took {used:.2f} CPU-s"
 
 
+def test_a_hang_dump_reaches_the_servers_scheduler(group, tmp_path):
+    """The watchdog's stack dumps (a hang's diagnosis) cover the processes SGLang spawns,
+    the scheduler where a stuck generation waits among them, not only its launcher."""
+    from trainer.driver.watchdog import dump_stacks, run_processes
+
+    spawned = [(pid, t) for pid, t in run_processes(os.getpid()) if t.startswith("sglang::")]
+    assert any(t.startswith("sglang::scheduler") for _, t in spawned), spawned
+    written = dump_stacks(tmp_path, spawned, driver_pid=os.getpid())
+    scheduler = [p.read_text() for p in written if p.name.startswith("sglang::scheduler")]
+    assert scheduler and "scheduler.py" in scheduler[0], scheduler
+
+
 def rollout_step(group, *overrides):
     """One step of the rollout manager (2 prompts x 2 games) against the group's router."""
     from rollout.http import close_session

@@ -31,7 +31,9 @@ from typing import Optional
 
 log = logging.getLogger("homegym")
 
-ENGINE_MARKERS = ("rollout.engines.hf.server", "sglang.launch_server")
+# SGLang's server is its launcher (the HTTP front) and the processes it spawns, titled
+# sglang::scheduler, sglang::detokenizer: a stuck generation waits in the scheduler.
+ENGINE_MARKERS = ("rollout.engines.hf.server", "sglang.launch_server", "sglang::")
 
 
 class HangError(RuntimeError):
