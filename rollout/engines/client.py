@@ -337,9 +337,9 @@ class EngineClient:
         """Move every object the server holds now out of the garbage collector's reach
         (``gc.freeze``), so later collections walk only what serving creates. SGLang
         0.5.18 asks itself after its warm-up, but with the warm-up skipped the request
-        goes out before its HTTP server listens and fails; on CPU each flush and memory
-        release then runs a full collection over torch's and SGLang's objects (~0.35 s,
-        two per colocated step, Intel Xeon)."""
+        races its HTTP server's start and in some starts fails; on CPU each flush and
+        memory release then runs a full collection over torch's and SGLang's objects
+        (~0.35 s, two per colocated step, Intel Xeon)."""
         self.call("/freeze_gc")
 
     # ---- memory and generation control ----
