@@ -175,12 +175,12 @@ class LeanForward:
         if any(ly.scaling != first.scaling or ly.head_dim != first.head_dim
                or (ly.q_norm is None) != (first.q_norm is None) for ly in layers):
             return None
-        for ly in layers:
-            norms = [ly.input_norm, ly.post_norm] + [n for n in (ly.q_norm, ly.k_norm) if n]
-            for w in [lin.weight for lin in (ly.q, ly.k, ly.v, ly.o, ly.gate, ly.up, ly.down)
-                      ] + [n.weight for n in norms]:
-                if w.dtype != torch.float32 or not w.is_contiguous():
-                    return None
+        weights = [lin.weight for ly in layers
+                   for lin in (ly.q, ly.k, ly.v, ly.o, ly.gate, ly.up, ly.down)]
+        norms = [n.weight for ly in layers
+                 for n in (ly.input_norm, ly.post_norm, ly.q_norm, ly.k_norm) if n]
+        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in weights + norms):
+            return None
         d = first.head_dim
         hkv = first.k.weight.shape[0] // d
         g = first.q.weight.shape[0] // (hkv * d)
