@@ -49,7 +49,8 @@ FORWARD = (("_logits (", "LM head"), ("_decode_layers", "decode: decoder layers 
            ("causal_attention", "prefill attention, per row"),
            ("gqa_attention_forward", "attention"), ("_linear (", "linear layers"),
            ("_norm (", "RMSNorm"), ("rope_", "RoPE"), ("rotary_emb", "rotary cos/sin"),
-           ("update (", "KV write"), ("_unpack", "unpacking K/V"), ("_mask (", "mask"),
+           ("update (", "KV write"), ("kv_layer", "KV write"), ("_unpack", "unpacking K/V"),
+           ("_mask (", "mask"),
            ("embed", "embedding"))
 SCHEDULER = (("_sample", "sampling"), ("_append_tokens", "token bookkeeping, finishing"),
              ("_store_prefix", "prefix cache: store"), ("pop_longest", "prefix cache: lookup"),

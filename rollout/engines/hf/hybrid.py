@@ -107,7 +107,7 @@ class HybridForward(LeanForward):
                 out = self._gdn(layer.linear_attn, h, cache.states[gdn_i], cu_seqlens)
                 gdn_i += 1
             else:
-                out = self._attention(layer.self_attn, h, cos, sin, cache.layers[attn_i],
+                out = self._attention(layer.self_attn, h, cos, sin, cache.layers, attn_i,
                                       packed, per_row, mask, b, t)
                 attn_i += 1
             x.add_(out)
@@ -121,9 +121,9 @@ class HybridForward(LeanForward):
             x = x[0, packed.ends - 1][:, None]
         return self._logits(_norm(inner.norm, x)[:, -1]).float()
 
-    def _attention(self, attn, h, cos, sin, layer_cache, packed, per_row, mask, b, t):
+    def _attention(self, attn, h, cos, sin, layers, i, packed, per_row, mask, b, t):
         """Gated full attention: q_proj gives per head [query | gate]; the output is
-        multiplied by sigmoid(gate) before o_proj."""
+        multiplied by sigmoid(gate) before o_proj. ``layers[i]``: its cache layer."""
         rows, n = h.shape[0], h.shape[1]
         d = attn.head_dim
         q, gate = torch.chunk(self._linear(h, attn.q_proj).view(rows, n, -1, 2 * d), 2, dim=-1)
@@ -133,17 +133,16 @@ class HybridForward(LeanForward):
         v = self._linear(h, attn.v_proj).view(rows, n, -1, d).transpose(1, 2)
         q, k = self.apply_rope(q, k, cos, sin)
         if packed is None:
-            k, v = layer_cache.update(k, v)
+            k, v = layers[i].update(k, v)
             out, _ = gqa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
             out = out.reshape(b, t, -1)
         elif per_row:  # no past: each row attends to itself only, causally
-            flat = packed.flat
-            layer_cache.update(_unpack(k, flat, b, t), _unpack(v, flat, b, t))
+            layers[i] = packed.kv_layer(k, v)
             out = packed.causal_attention(q, k, v, attn.scaling)
         else:  # rows with a cached past: attention on the padded layout
             flat = packed.flat
             q, k, v = (_unpack(z, flat, b, t) for z in (q, k, v))
-            k, v = layer_cache.update(k, v)
+            k, v = layers[i].update(k, v)
             out, _ = gqa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
             out = out.reshape(b * t, -1)[flat][None]
         return self._linear(out * torch.sigmoid(gate), attn.o_proj)

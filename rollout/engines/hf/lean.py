@@ -122,12 +122,27 @@ class Packed:
 
     def __init__(self, real: torch.Tensor, past: int):
         self.past = past
+        self.rows, self.cols = real.shape
         self.flat = real.reshape(-1).nonzero()[:, 0]  # their indices in [B * T]
+        self.pad = (~real).reshape(-1).nonzero()[:, 0]
         lengths = real.sum(1)
         self.ends = lengths.cumsum(0)  # exclusive end of each row's run, in packed order
         self.bounds = [0] + self.ends.tolist()
         self._bounds = torch.tensor(self.bounds, dtype=torch.int64)
         self.longest = int(lengths.max())
+
+    def kv_layer(self, k: torch.Tensor, v: torch.Tensor) -> GrowingLayer:
+        """The cache layer of a prefill with no past, from its packed [1, heads, N, D] K/V:
+        [B, heads, T, D] views of one buffer that each token's K/V are copied into, pad
+        positions zero: one copy, where padding them out and a cache update's concatenation
+        made two and a zero fill of the whole layout."""
+        heads, d = k.shape[1], k.shape[3]
+        buf = k.new_empty(2, self.rows * self.cols, heads, d)
+        buf.index_fill_(1, self.pad, 0.0)
+        buf[0].index_copy_(0, self.flat, k[0].transpose(0, 1))
+        buf[1].index_copy_(0, self.flat, v[0].transpose(0, 1))
+        kv = buf.view(2, self.rows, self.cols, heads, d).transpose(2, 3)
+        return GrowingLayer.from_buffers(kv[0], kv[1], self.cols)
 
     def causal_attention(self, q, k, v, scaling: float) -> torch.Tensor:
         """[1, heads, N, D] packed q/k/v (no past) -> [1, N, heads * D]: each row attends
@@ -300,7 +315,7 @@ class LeanForward:
                 out, _ = gqa_attention_forward(layer.attn, q, k, v, mask, scaling=layer.scaling)
                 out = out.reshape(b, t, -1)
             elif per_row:  # no past: each row attends to itself only, causally
-                cache.update(_unpack(k, flat, b, t), _unpack(v, flat, b, t), i)
+                cache.layers[i:i + 1] = [packed.kv_layer(k, v)]  # a fresh cache: appends
                 out = packed.causal_attention(q, k, v, layer.scaling)
             else:  # rows with a cached past: attention on the padded layout
                 q, k, v = (_unpack(z, flat, b, t) for z in (q, k, v))
