@@ -343,6 +343,16 @@ def _alive_actors() -> dict:
             for aid, info in actors(actor_state_name="ALIVE").items()}
 
 
+def started(pid: int) -> int:
+    """When process ``pid`` started, in clock ticks since boot (/proc/<pid>/stat, field
+    22): with the pid, what tells a process from a later one that reuses the pid. Not
+    psutil's ``create_time``: that adds the boot time in wall-clock seconds, read again on
+    every call, so an adjustment of the clock moves it for every process at once (and a
+    process seen before would pass for a new one)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])
+
+
 def _servers() -> dict:
     import psutil
 
@@ -355,8 +365,8 @@ def _servers() -> dict:
         try:
             cmd = " ".join(p.cmdline())
             if any(m in cmd for m in _SERVER_MARKERS) and p.status() != psutil.STATUS_ZOMBIE:
-                found[(p.pid, p.create_time())] = cmd[:160]
-        except psutil.Error:
+                found[(p.pid, started(p.pid))] = cmd[:160]
+        except (psutil.Error, OSError):
             pass
     return found
 

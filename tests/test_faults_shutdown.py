@@ -21,7 +21,7 @@ import uuid
 import psutil
 import pytest
 
-from conftest import REPO, clean_env, run_main
+from conftest import REPO, clean_env, run_main, started
 
 pytestmark = pytest.mark.slow
 
@@ -33,10 +33,16 @@ SMALL = ["train.ranks_per_node=1", "rollout.num_engines=2", "rollout.rollout_bat
 
 def _descendants(pid):
     try:
-        return {p.pid: (p.create_time(), " ".join(p.cmdline())[:400])
-                for p in psutil.Process(pid).children(recursive=True)}
+        children = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return {}
+    found = {}
+    for p in children:
+        try:
+            found[p.pid] = (started(p.pid), " ".join(p.cmdline())[:400])
+        except (psutil.NoSuchProcess, OSError):
+            pass  # gone already
+    return found
 
 
 def _still_alive(snapshot):
@@ -44,9 +50,9 @@ def _still_alive(snapshot):
     for pid, (created, cmd) in snapshot.items():
         try:
             p = psutil.Process(pid)
-            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+            if started(pid) == created and p.status() != psutil.STATUS_ZOMBIE:
                 alive[pid] = cmd
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, OSError):
             pass
     return alive
 
