@@ -21,10 +21,13 @@ from conftest import chaos_module, read_jsonl
 # away from the step of (and before) the crash and the stop, and two steps before the end
 # so that the run outlives their recovery (schedule()). Async: engine kills after steps 1
 # and 2, the crash in step 5 (resumed from step 4's checkpoint), the stop in step 6, a
-# third launch for step 7. Colocated: two of steps 1-3 drawn for the engine kills; seed 4
-# draws 1 and 2, which leaves the most steps for their recovery (a kill lands in the first
-# step in its phase after it is armed; seen: the step after next).
-SHORT = {"async": dict(steps=7, kill_rank_at=4, sigterm_at=5, seed=1),
+# third launch for steps 7-8. The eighth step is room for slips: each fault waits for the
+# recovery from the one before, and a kill lands in the first step in its phase after it
+# is armed (seen: two steps later). With seven, engine kills landing in steps 4 and 5 put
+# the crash in step 7, after step 6's checkpoint, and the resumed launch had no step left
+# for the stop to interrupt. Colocated: two of steps 1-3 drawn for the engine kills; seed
+# 4 draws 1 and 2, which leaves the most steps for their recovery.
+SHORT = {"async": dict(steps=8, kill_rank_at=4, sigterm_at=5, seed=1),
          "colocated": dict(steps=6, kill_rank_at=None, sigterm_at=None, seed=4)}
 
 
