@@ -27,6 +27,7 @@ architecture (or a sliding-window config) keeps transformers' forward.
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 from typing import Optional
 
@@ -122,14 +123,19 @@ class Packed:
 
     def __init__(self, real: torch.Tensor, past: int):
         self.past = past
-        self.rows, self.cols = real.shape
+        self.real, (self.rows, self.cols) = real, real.shape
         self.flat = real.reshape(-1).nonzero()[:, 0]  # their indices in [B * T]
-        self.pad = (~real).reshape(-1).nonzero()[:, 0]
         lengths = real.sum(1)
         self.ends = lengths.cumsum(0)  # exclusive end of each row's run, in packed order
         self.bounds = [0] + self.ends.tolist()
         self._bounds = torch.tensor(self.bounds, dtype=torch.int64)
         self.longest = int(lengths.max())
+
+    @functools.cached_property
+    def pad(self) -> torch.Tensor:
+        """The pad positions' indices in [B * T]: only a prefill with no past needs them
+        (kv_layer), once for all its layers."""
+        return (~self.real).reshape(-1).nonzero()[:, 0]
 
     def kv_layer(self, k: torch.Tensor, v: torch.Tensor) -> GrowingLayer:
         """The cache layer of a prefill with no past, from its packed [1, heads, N, D] K/V:
