@@ -8,7 +8,7 @@ warms both up, then sends bench_engine.py's workload to them in interleaved pair
 (A B, B A, ...), so that drift in the machine's speed (other tenants, frequency) hits both
 alike. Prints each side's median and best wall time, the median CPU seconds its engine
 process spent per run (steadier than wall time on a loaded box: waiting for a core is not
-counted), and the ratios of medians. The workload is
+counted) and its median page faults per run, and the ratios of medians. The workload is
 bench_engine.py's single burst (64 prompts of 10-160 tokens x 32 new tokens) or, with
 --multiturn, its multi-turn RL shape (64 episodes x 8 turns), sent to each server
 directly or, with --router, through an sglang-router of its own (the serving path
@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from bench_engine import make_prompts, run_engine, run_multiturn  # noqa: E402
-from profile_engine import cpu_seconds  # noqa: E402
+from profile_engine import cpu_seconds, page_faults  # noqa: E402
 
 
 def start_server(tree: str, model_path: str, port_file: str) -> subprocess.Popen:
@@ -108,19 +108,22 @@ def main() -> None:
             pids = dict(zip(urls, (p.pid for p in procs)))
             times = {name: [] for name in urls}
             cpu = {name: [] for name in urls}
+            faults = {name: [] for name in urls}
             names = list(urls)
             for i in range(args.pairs):
                 for name in (names if i % 2 == 0 else names[::-1]):
-                    c0 = cpu_seconds(pids[name])
+                    c0, f0 = cpu_seconds(pids[name]), page_faults(pids[name])
                     times[name].append(once(urls[name]))
                     cpu[name].append(cpu_seconds(pids[name]) - c0)
+                    faults[name].append(page_faults(pids[name]) - f0)
             workload = "multi-turn 64 x 8 turns" if args.multiturn else "burst 64 x 32 tokens"
             via = ", each through its own router" if args.router else ""
             print(f"{args.model}, {workload}{via}, {args.pairs} interleaved pairs:")
             for name in names:
                 ts = times[name]
                 print(f"  {name}: median {statistics.median(ts):.3f} s, best {min(ts):.3f} s; "
-                      f"engine CPU median {statistics.median(cpu[name]):.3f} s")
+                      f"engine CPU median {statistics.median(cpu[name]):.3f} s, "
+                      f"page faults median {statistics.median(faults[name]):.0f}")
             a, b = (statistics.median(times[n]) for n in names)
             ca, cb = (statistics.median(cpu[n]) for n in names)
             print(f"  ratio of medians B/A: wall {b / a:.3f}, engine CPU {cb / ca:.3f}")

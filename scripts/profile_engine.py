@@ -90,18 +90,34 @@ def breakdown(raw_path: str) -> list[tuple[str, float]]:
     return [(k, 100.0 * v / total) for k, v in counts.most_common()]
 
 
+def _tree(pid: int) -> list[int]:
+    """A process and its descendants that are still running."""
+    pids = [pid]
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            for child in f.read().split():
+                pids += _tree(int(child))
+    except OSError:
+        pass
+    return pids
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields from the state on (field 3 is index 0)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process and its descendants that are still running."""
     tick = os.sysconf("SC_CLK_TCK")
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    total = (int(fields[11]) + int(fields[12])) / tick
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            total += sum(cpu_seconds(int(c)) for c in f.read().split())
-    except OSError:
-        pass
-    return total
+    return sum((int(f[11]) + int(f[12])) / tick for f in map(_stat, _tree(pid)))
+
+
+def page_faults(pid: int) -> int:
+    """Minor page faults of a process and its descendants that are still running: pages
+    the kernel mapped (and zeroed) on first touch."""
+    return sum(int(f[7]) for f in map(_stat, _tree(pid)))
 
 
 def thread_stats(pid: int) -> dict[int, tuple[float, int, int]]:
