@@ -1,4 +1,4 @@
-"""The chaos soak, short (scripts/chaos_soak.py runs the long one), in both layouts: 6-7
+"""The chaos soak, short (scripts/chaos_soak.py runs the long one), in both layouts: 6-12
 steps with an engine server SIGKILLed while it generates and one SIGKILLed in the layout's
 weight phase (async: paused for a weight push; colocated: its memory released for
 training). The async run also has its training rank SIGKILLed (crash, then resume) and one
@@ -17,17 +17,19 @@ import pytest
 from conftest import chaos_module, read_jsonl
 
 
-# The fewest steps that fit each schedule: engine faults only after a step has been logged,
-# away from the step of (and before) the crash and the stop, and two steps before the end
-# so that the run outlives their recovery (schedule()). Async: engine kills after steps 1
-# and 2, the crash in step 5 (resumed from step 4's checkpoint), the stop in step 6, a
-# third launch for steps 7-8. The eighth step is room for slips: each fault waits for the
-# recovery from the one before, and a kill lands in the first step in its phase after it
-# is armed (seen: two steps later). With seven, engine kills landing in steps 4 and 5 put
-# the crash in step 7, after step 6's checkpoint, and the resumed launch had no step left
-# for the stop to interrupt. Colocated: two of steps 1-3 drawn for the engine kills; seed
-# 4 draws 1 and 2, which leaves the most steps for their recovery.
-SHORT = {"async": dict(steps=8, kill_rank_at=4, sigterm_at=5, seed=1),
+# Steps for each schedule: engine faults only after a step has been logged, away from the
+# step of (and before) the crash and the stop, and two steps before the end so that the
+# run outlives their recovery (schedule()). Async: engine kills after steps 1 and 2, the
+# crash in step 5 (resumed from step 4's checkpoint), the stop in step 6, a third launch
+# for the rest. Each fault waits for the recovery from the one before and lands in
+# the first step in its phase after it is armed, and a tiny model's async steps are short
+# (0.1-0.6 s, a generation window of tens of ms an engine): kills have been seen to land
+# four steps late (in steps 5 and 6), which pushed the crash past step 6's checkpoint.
+# The stop must still find a step left in the resumed launch: the run has five steps of
+# room beyond the seven the schedule needs (a step is ~0.3 s; seed 15 draws steps 1 and 2
+# for the engine kills). Colocated: two of steps 1-3 drawn for the engine kills;
+# seed 4 draws 1 and 2, which leaves the most steps for their recovery.
+SHORT = {"async": dict(steps=12, kill_rank_at=4, sigterm_at=5, seed=15),
          "colocated": dict(steps=6, kill_rank_at=None, sigterm_at=None, seed=4)}
 
 
