@@ -373,10 +373,13 @@ class Injector:
     def _kill_engine(self, fault: Fault, step: int) -> None:
         """Poll the engines until one is seen in the fault's phase, then SIGKILL its server."""
         in_phase = PHASES[fault.phase]
-        urls: dict[int, Optional[str]] = {}
+        urls: dict[int, str] = {}
         while self._alive():
             for proc in engine_servers(self.run.proc.pid, self.run_dir):
-                url = urls.get(proc.pid) or urls.setdefault(proc.pid, server_url(proc))
+                # A server seen before it wrote its port file is looked up again next round.
+                url = urls.get(proc.pid) or server_url(proc)
+                if url is not None:
+                    urls[proc.pid] = url
                 info = server_info(url) if url else None
                 if info is not None and in_phase(info):
                     proc.send_signal(signal.SIGKILL)
