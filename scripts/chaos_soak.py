@@ -219,6 +219,8 @@ class Fault:
     kind: str  # engine | rank | sigterm
     after: int
     phase: str = ""  # engine faults: generation | push | release
+    armed: int = 0  # the last step logged when its wait for the moment began
+    landed_in: int = 0  # the step it landed in
     landed: str = ""  # where it landed, once injected
 
 
@@ -256,6 +258,7 @@ class Figures:
     reference_wall_s: Optional[float] = None
     sigterm_outcome: str = ""
     events: list = field(default_factory=list)
+    landed: list = field(default_factory=list)  # the faults injected, in order
 
     @property
     def num_engine_kills(self) -> int:
@@ -342,6 +345,13 @@ class Injector:
         restarts = max((r.get("rollout/engine_restarts", 0.0) for r in rows), default=0.0)
         return any("perf/step_time" in r for r in rows) and restarts >= self.killed_here
 
+    def _shortest_step_time(self) -> float:
+        """The shortest perf/step_time this launch has logged: a step that follows an
+        engine's restart takes seconds, the ones after it a tenth of that."""
+        rows = _metric_rows(self.run_dir, self.skip)
+        return min((float(r["perf/step_time"]) for r in rows if "perf/step_time" in r),
+                   default=1.0)
+
     def _loop(self) -> None:
         while self.faults and self._alive():
             fault = self.faults[0]
@@ -352,25 +362,30 @@ class Injector:
                 # once the last step is done finds nothing left to stop.
                 time.sleep(0.05)
                 continue
+            fault.armed = fault.armed or step
             if fault.kind == "engine":
-                self._kill_engine(fault, step)
+                self._kill_engine(fault)
             elif fault.kind == "rank":
-                time.sleep(self.rng.uniform(0.0, 1.0))  # a random moment of the step
+                # A random moment of the step under way or the next: within the shortest
+                # step's length from now. A fixed second would span several of the short
+                # soak's ~0.1 s async steps, and a crash after the last checkpoint but one
+                # leaves the resumed launch no step for the stop.
+                time.sleep(self.rng.uniform(0.0, self._shortest_step_time()))
                 ranks = training_ranks(self.run.proc.pid)
                 if ranks and self._alive():
                     ranks[0].send_signal(signal.SIGKILL)
-                    self._landed(fault, f"training rank killed in step {step + 1}")
+                    self._landed(fault, "training rank killed")
                     self.figures.rank_kills += 1
                     self.ended_by = "rank"
                     return
             elif fault.kind == "sigterm":
                 self.run.proc.send_signal(signal.SIGTERM)
-                self._landed(fault, f"SIGTERM in step {step + 1}")
+                self._landed(fault, "SIGTERM")
                 self.figures.sigterms += 1
                 self.ended_by = "sigterm"
                 return
 
-    def _kill_engine(self, fault: Fault, step: int) -> None:
+    def _kill_engine(self, fault: Fault) -> None:
         """Poll the engines until one is seen in the fault's phase, then SIGKILL its server."""
         in_phase = PHASES[fault.phase]
         urls: dict[int, str] = {}
@@ -387,15 +402,16 @@ class Injector:
                     self.figures.engine_kills[fault.phase] = \
                         self.figures.engine_kills.get(fault.phase, 0) + 1
                     running = info.get("num_running_reqs", 0)
-                    self._landed(fault, f"engine killed mid-{fault.phase} in step "
-                                        f"{steps_logged(self.run_dir) + 1} ({running} "
-                                        f"requests running)")
+                    self._landed(fault, f"engine killed mid-{fault.phase}",
+                                 f" ({running} requests running)")
                     return
             time.sleep(0.02)
 
-    def _landed(self, fault: Fault, event: str) -> None:
-        fault.landed = event
-        self.figures.events.append(event)
+    def _landed(self, fault: Fault, what: str, detail: str = "") -> None:
+        fault.landed_in = steps_logged(self.run_dir) + 1
+        fault.landed = f"{what} in step {fault.landed_in}{detail}"
+        self.figures.events.append(fault.landed)
+        self.figures.landed.append(fault)
         self.faults.pop(0)
 
 
