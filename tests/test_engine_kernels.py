@@ -130,6 +130,48 @@ def test_native_kernels_can_be_switched_off(tmp_path):
     assert not (tmp_path / "kernels").exists()
 
 
+def _build_in_subprocess(cache, march=None) -> tuple[str, float]:
+    """Build (or find) the kernels in a fresh process with ``HOMEGYM_NATIVE_MARCH=march``:
+    the library's path ('' when load() gave None) and the C RMSNorm's largest difference
+    from torch's on a random batch (nan without the kernels)."""
+    code = ("import sys, torch; from rollout.engines.hf import native, fast_kernels; "
+            "lib = native.load(); x, w = torch.randn(64, 576), torch.randn(576); "
+            "got = fast_kernels.rms_norm(x, w, 1e-6); "
+            "want = torch.nn.functional.rms_norm(x, (576,), w, 1e-6); "
+            "print(lib._name if lib else '', "
+            "float('nan') if got is None else float((got - want).abs().max()))")
+    env = dict(os.environ, HOMEGYM_CACHE=str(cache))
+    env.pop("HOMEGYM_NATIVE_MARCH", None)
+    if march:
+        env["HOMEGYM_NATIVE_MARCH"] = march
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, text=True,
+                         capture_output=True, cwd=native.SOURCE.parents[4]).stdout.split()
+    return (out[0], float(out[1])) if len(out) == 2 else ("", float(out[0]))
+
+
+@pytest.mark.subprocess
+def test_the_kernels_build_for_another_target_when_asked(tmp_path):
+    """HOMEGYM_NATIVE_MARCH=haswell builds AVX2 kernels (256-bit vectors, no AVX-512 zmm
+    register anywhere in the library) into a cache entry of their own beside this CPU's
+    build, and they compute what torch does; a target the compiler does not know leaves
+    the engine on its torch path."""
+    avx2, avx2_err = _build_in_subprocess(tmp_path, "haswell")
+    here, here_err = _build_in_subprocess(tmp_path)
+    assert avx2 and here and os.path.dirname(avx2) != os.path.dirname(here)
+    assert avx2_err < 1e-5 and here_err < 1e-5, (avx2_err, here_err)
+
+    def disassembly(lib: str) -> str:
+        return subprocess.run(["objdump", "-d", lib], check=True, text=True,
+                              capture_output=True).stdout
+
+    assert "%ymm" in disassembly(avx2) and "%zmm" not in disassembly(avx2)
+    with open("/proc/cpuinfo") as f:
+        if " avx512f" in f.read():  # this CPU's own build uses them
+            assert "%zmm" in disassembly(here)
+    lib, err = _build_in_subprocess(tmp_path, "no-such-cpu")
+    assert lib == "" and err != err  # no kernels: the torch path (rms_norm gives None)
+
+
 @pytest.mark.subprocess
 def test_a_build_clears_what_killed_builds_left_and_keeps_a_concurrent_ones(tmp_path):
     """A build killed outright leaves its temporary library beside the target; the next

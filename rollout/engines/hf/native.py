@@ -4,10 +4,10 @@ built once per machine with the system C compiler, called through ctypes.
 Plain C with no torch headers, so a build takes about a second (a torch C++ extension
 takes a minute) and needs only ``cc``. The library lives in
 ``$HOMEGYM_CACHE/kernels/<hash>/``, keyed by the source, the compiler flags and this CPU's
-model and flags (it is built with ``-march=native``, so a cache shared across different
-machines gets one build per CPU kind). No compiler, a failed build, or
-``HOMEGYM_NATIVE_KERNELS=0``: ``load()`` returns None and callers keep their torch path,
-which computes the same thing.
+model and flags (it is built with ``-march=native`` unless ``HOMEGYM_NATIVE_MARCH`` names
+another target, so a cache shared across different machines gets one build per CPU kind).
+No compiler, a failed build, or ``HOMEGYM_NATIVE_KERNELS=0``: ``load()`` returns None and
+callers keep their torch path, which computes the same thing.
 """
 
 from __future__ import annotations
@@ -30,7 +30,12 @@ from rollout.models import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared"]
+# The instruction set the kernels are built for: this CPU's by default. Another target
+# (``HOMEGYM_NATIVE_MARCH=haswell``: AVX2 and FMA, no AVX-512) builds what an older CPU would
+# run, e.g. to measure an AVX2-only box's kernels on an AVX-512 one
+# (docs/performance.md, with torch's and MKL's own dispatch held to AVX2 the same way).
+MARCH = os.environ.get("HOMEGYM_NATIVE_MARCH", "native")
+CFLAGS = ["-O3", f"-march={MARCH}", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared"]
 if platform.machine() in ("x86_64", "AMD64"):
     # Compilers keep auto-vectorized loops at 256 bits on AVX-512 cores by default (older
     # Intel cores clocked down for 512-bit work); at 512 the MLP activation ran 1.4x and
