@@ -3,6 +3,7 @@
 embedding, the oneDNN-packed matmuls, and the token draws."""
 
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -150,6 +151,7 @@ def _build_in_subprocess(cache, march=None) -> tuple[str, float]:
 
 
 @pytest.mark.subprocess
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="an x86 target")
 def test_the_kernels_build_for_another_target_when_asked(tmp_path):
     """HOMEGYM_NATIVE_MARCH=haswell builds AVX2 kernels (256-bit vectors, no AVX-512 zmm
     register anywhere in the library) into a cache entry of their own beside this CPU's
