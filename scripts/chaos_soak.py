@@ -257,7 +257,6 @@ class Figures:
     wall_s: float = 0.0
     reference_wall_s: Optional[float] = None
     sigterm_outcome: str = ""
-    events: list = field(default_factory=list)
     landed: list = field(default_factory=list)  # the faults injected, in order
 
     @property
@@ -284,7 +283,7 @@ class Figures:
             f"  faults injected: {self.faults}: {self.num_engine_kills} engine kills "
             f"({kills or '-'}), {self.rank_kills} training-rank kills (crash, resumed), "
             f"{self.sigterms} SIGTERM ({self.sigterm_outcome or '-'}; resumed)",
-            f"  when: {'; '.join(self.events) or '-'}",
+            f"  when: {'; '.join(f.landed for f in self.landed) or '-'}",
             f"  engine restarts: {self.engine_restarts:.0f}; requests retried by post(): "
             f"{self.request_retries:.0f} (the router re-sends a dead engine's requests "
             f"itself, uncounted); samples failed: {self.failed_samples:.0f}",
@@ -410,7 +409,6 @@ class Injector:
     def _landed(self, fault: Fault, what: str, detail: str = "") -> None:
         fault.landed_in = steps_logged(self.run_dir) + 1
         fault.landed = f"{what} in step {fault.landed_in}{detail}"
-        self.figures.events.append(fault.landed)
         self.figures.landed.append(fault)
         self.faults.pop(0)
 
