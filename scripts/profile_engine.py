@@ -102,22 +102,23 @@ def _tree(pid: int) -> list[int]:
     return pids
 
 
-def _stat(pid: int) -> list[str]:
-    """/proc/<pid>/stat's fields from the state on (field 3 is index 0)."""
-    with open(f"/proc/{pid}/stat") as f:
+def _stat(path: str) -> list[str]:
+    """A /proc stat file's fields from the state on (field 3 is index 0)."""
+    with open(path) as f:
         return f.read().rsplit(")", 1)[1].split()
 
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process and its descendants that are still running."""
     tick = os.sysconf("SC_CLK_TCK")
-    return sum((int(f[11]) + int(f[12])) / tick for f in map(_stat, _tree(pid)))
+    return sum((int(f[11]) + int(f[12])) / tick
+               for f in (_stat(f"/proc/{p}/stat") for p in _tree(pid)))
 
 
 def page_faults(pid: int) -> int:
     """Minor page faults of a process and its descendants that are still running: pages
     the kernel mapped (and zeroed) on first touch."""
-    return sum(int(f[7]) for f in map(_stat, _tree(pid)))
+    return sum(int(_stat(f"/proc/{p}/stat")[7]) for p in _tree(pid))
 
 
 def thread_stats(pid: int) -> dict[int, tuple[float, int, int]]:
@@ -127,8 +128,7 @@ def thread_stats(pid: int) -> dict[int, tuple[float, int, int]]:
     tick, out = os.sysconf("SC_CLK_TCK"), {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            fields = _stat(f"/proc/{pid}/task/{tid}/stat")
             with open(f"/proc/{pid}/task/{tid}/status") as f:
                 status = dict(line.split(":", 1) for line in f if ":" in line)
         except OSError:
